@@ -1,0 +1,177 @@
+"""The `trainkit` command line.
+
+Light at import time on purpose: `trainkit --help` and `trainkit validate` never import torch,
+DeepSpeed or MLflow; each sub-command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="override recipe values, e.g. trainer.max_steps=20 strategy.name=fsdp")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainkit",
+        description="One YAML recipe -> a correct, fast, observable distributed PyTorch training run.",
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check recipes (fast: no torch import; --deep for runtime checks)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="recipe files, folders or globs")
+    p.add_argument("--format", choices=["text", "json", "github"], default="text",
+                   help="text for people, json for tools, github for Actions annotations")
+    p.add_argument("--deep", action="store_true",
+                   help="also run checks that import torch: model exists, data paths, devices, DeepSpeed config")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("schema", help="print the recipe JSON Schema (for editor autocompletion)")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("plan", help="print the resolved recipe, what it implies, and the torchrun command")
+    p.add_argument("recipe", metavar="RECIPE")
+    _add_overrides(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("run", help="validate, then train under torchrun")
+    p.add_argument("recipe", metavar="RECIPE")
+    _add_overrides(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("data", help="data helpers")
+    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    m = data_sub.add_parser("make-imagefolder", help="write a small synthetic ImageFolder of real image files")
+    m.add_argument("root", metavar="DIR")
+    m.add_argument("--classes", type=int, default=10)
+    m.add_argument("--per-class", type=int, default=50)
+    m.add_argument("--size", type=int, default=64)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_imagefolder)
+    return parser
+
+
+# ----------------------------------------------------------------------------- commands
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, resolve
+    from .recipe.discovery import expand_recipe_paths
+    from .recipe.problems import Location, Problem, format_problems
+
+    files, missing = expand_recipe_paths(args.paths)
+    problems: list[Problem] = [Problem(Location(m), "", "no such file, folder or matching recipe") for m in missing]
+    invalid = len(missing)
+    for file in files:
+        try:
+            resolved = resolve(file)
+            found = _deep_problems(resolved) if args.deep else []
+        except RecipeError as err:
+            found = err.problems
+        if any(p.severity == "error" for p in found):
+            invalid += 1
+        problems.extend(found)
+    if args.format == "text":
+        if problems:
+            print(format_problems(problems), file=sys.stderr)
+        total = len(files) + len(missing)
+        print(f"{total - invalid} of {total} recipe(s) valid"
+              + ("" if args.deep else " (not checked without --deep: model exists, data paths, devices, "
+                 "DeepSpeed config)"))
+    else:
+        print(format_problems(problems, args.format))
+    return EXIT_INVALID if invalid else EXIT_OK
+
+
+def _deep_problems(resolved) -> list:
+    """Checks that need torch and the filesystem: run by `plan` and `validate --deep`."""
+    from .runtime import preflight
+
+    return preflight.check(resolved)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from .recipe.json_schema import recipe_json_schema
+
+    print(json.dumps(recipe_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, resolve
+    from .recipe.plan import describe
+
+    resolved = resolve(args.recipe, args.overrides)
+    problems = _deep_problems(resolved)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise RecipeError(errors)
+    print(describe(resolved, args.recipe, args.overrides))
+    for p in problems:
+        print(p, file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .recipe import resolve
+
+    resolved = resolve(args.recipe, args.overrides)
+    from .launch import launcher
+
+    return launcher.run(resolved, args.recipe, list(args.overrides))
+
+
+def cmd_make_imagefolder(args: argparse.Namespace) -> int:
+    from .runtime.imagefolder_maker import make_imagefolder
+
+    root = make_imagefolder(args.root, classes=args.classes, per_class=args.per_class, size=args.size, seed=args.seed)
+    print(f"wrote {args.classes} classes x {args.per_class} images of {args.size}px to {root}")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- entry point
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from . import __version__
+
+        print(f"trainkit {__version__}")
+        return EXIT_OK
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_INVALID
+    return _run_reporting_errors(args.func, args)
+
+
+def _run_reporting_errors(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """User mistakes become messages and exit codes, never tracebacks."""
+    from .recipe.problems import RecipeError
+    from .registry import PluginError
+
+    try:
+        return func(args)
+    except RecipeError as err:
+        print(err, file=sys.stderr)
+        print(f"{len(err.problems)} problem(s); nothing was started.", file=sys.stderr)
+        return EXIT_INVALID
+    except PluginError as err:
+        print(f"trainkit: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        print("trainkit: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

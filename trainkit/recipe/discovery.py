@@ -1,0 +1,39 @@
+"""Turn `trainkit validate` arguments (files, folders, globs) into recipe files."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+from typing import Sequence
+
+SUFFIXES = (".yaml", ".yml")
+
+
+def is_partial(path: Path) -> bool:
+    """Composition fragments (under a `base/` folder, or named `_*.yaml`) are not whole recipes."""
+    return path.name.startswith("_") or "base" in path.parts[:-1]
+
+
+def expand_recipe_paths(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(recipe files to validate, arguments that matched nothing).
+
+    Files named explicitly are always validated; folders are searched recursively and skip
+    composition fragments; globs are expanded here too, for shells (and CI YAML) that don't.
+    """
+    files: list[str] = []
+    missing: list[str] = []
+    for arg in args:
+        path = Path(arg)
+        if path.is_dir():
+            found = sorted(str(p) for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()
+                           and not is_partial(p.relative_to(path)))
+        elif path.exists():
+            found = [arg]
+        elif glob.has_magic(arg):
+            found = sorted(p for p in glob.glob(arg, recursive=True) if Path(p).is_file())
+        else:
+            found = []
+        if not found:
+            missing.append(arg)
+        files.extend(f for f in found if f not in files)
+    return files, missing

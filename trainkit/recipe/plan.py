@@ -1,0 +1,55 @@
+"""`trainkit plan`: the resolved recipe and what it implies, before anything runs."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Sequence
+
+import yaml
+
+from .resolver import Resolved
+
+
+def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> str:
+    from ..launch.launcher import torchrun_command
+
+    r = resolved.recipe
+    lines = ["# resolved recipe", yaml.safe_dump(resolved.data, sort_keys=False).rstrip(), "", "# what it implies"]
+    ws = r.world_size
+    lines.append(f"world size:      {ws if ws is not None else 'elastic ' + str(r.launch.nnodes) + ' nodes'}"
+                 f"  ({r.launch.nproc_per_node} per node x {r.launch.nnodes} node(s))")
+    if r.strategy.name == "pipeline":
+        lines.append(f"pipeline:        {ws} stages, {r.strategy.microbatches} microbatches, schedule {r.strategy.schedule}")
+    gb = r.global_batch
+    lines.append(f"global batch:    {gb if gb is not None else '?'}  (batch_size {r.data.batch_size} x "
+                 f"data-parallel {r.data_parallel_size} x grad_accum_steps {r.trainer.grad_accum_steps})")
+    samples = _dataset_size(r)
+    if samples and gb:
+        per_epoch = samples // gb
+        lines.append(f"steps per epoch: {per_epoch}  ({samples} samples); max_steps {r.trainer.max_steps} = "
+                     f"{r.trainer.max_steps / max(per_epoch, 1):.2f} epochs")
+    else:
+        lines.append("steps per epoch: unknown until the data is read")
+    lines.append(f"precision:       {r.precision}   strategy: {r.strategy.name}")
+    lines.append(f"files:           {', '.join(resolved.files)}")
+    lines += ["", "# command (run by `trainkit run`)", shlex.join(torchrun_command(r, "<run dir>"))]
+    return "\n".join(lines)
+
+
+def _dataset_size(r) -> int | None:
+    """Cheap count of training samples where knowable without loading the data."""
+    d = r.data
+    if d.name == "synthetic":
+        return d.num_samples
+    if d.name == "imagefolder":
+        import os
+
+        exts = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
+        try:
+            return sum(1 for cls in os.scandir(d.root) if cls.is_dir()
+                       for f in os.scandir(cls.path) if f.name.lower().endswith(exts)) or None
+        except OSError:
+            return None
+    if d.name == "cifar10":
+        return 50_000
+    return None

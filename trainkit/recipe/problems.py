@@ -1,0 +1,82 @@
+"""Where a value came from, what is wrong with it, and how the report is printed.
+
+Errors are the interface of the recipe language: every problem names its source (file:line:col, or
+the command-line override that set it), the dotted field path, the bad value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Location:
+    """A position in a recipe file (1-based line and column) or a command-line override."""
+
+    file: str
+    line: int = 1
+    col: int = 1
+    override: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self.override is not None:
+            return f"override '{self.override}'"
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass(frozen=True)
+class Problem:
+    location: Location
+    path: str
+    message: str
+    severity: str = "error"
+
+    def __str__(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        tag = "" if self.severity == "error" else f"{self.severity}: "
+        return f"{self.location}: {tag}{where}{self.message}"
+
+    def as_dict(self) -> dict:
+        d = asdict(self.location)
+        d.update(path=self.path, message=self.message, severity=self.severity)
+        return d
+
+
+class RecipeError(Exception):
+    """One or more problems in a recipe; the CLI prints them all and exits 2."""
+
+    def __init__(self, problems: Sequence[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' did you mean 'x'?' for a near miss, else ''."""
+    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def short(value: object, limit: int = 60) -> str:
+    """A value as a user wrote it, cut to one readable line."""
+    text = json.dumps(value) if isinstance(value, (str, list, dict)) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_problems(problems: Sequence[Problem], fmt: str = "text") -> str:
+    if fmt == "json":
+        return json.dumps([p.as_dict() for p in problems], indent=2)
+    if fmt == "github":
+        lines = []
+        for p in problems:
+            loc = p.location
+            kind = "error" if p.severity == "error" else "warning"
+            msg = f"{p.path}: {p.message}" if p.path else p.message
+            if loc.override is None:
+                lines.append(f"::{kind} file={loc.file},line={loc.line},col={loc.col}::{msg}")
+            else:
+                lines.append(f"::{kind}::override '{loc.override}': {msg}")
+        return "\n".join(lines)
+    return "\n".join(str(p) for p in problems)

@@ -1,0 +1,372 @@
+"""Recipe file(s) + overrides -> one validated, frozen `Recipe`, or every problem at once.
+
+Order: load each file safely with positions -> compose `defaults:` (relative paths, cycles
+detected) -> apply `key=value` overrides -> resolve `${...}` interpolation (OmegaConf) -> check
+plugin names -> pydantic schema -> cross-field rules. Every problem is mapped back to the file,
+line and column (or override) that set the offending value.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pydantic import BaseModel, ValidationError
+
+from .. import registry
+from .problems import Location, Problem, RecipeError, did_you_mean, short
+from .schema import PLUGIN_FIELDS, Recipe, recipe_model
+from .yaml_source import Path_, dotted, load_yaml
+from . import rules
+
+Positions = dict[Path_, Location]
+
+
+@dataclass
+class Resolved:
+    """A validated recipe plus where each value came from (for plan and later errors)."""
+
+    recipe: Recipe
+    data: dict[str, Any]
+    positions: Positions
+    files: list[str]
+    warnings: list[Problem] = field(default_factory=list)
+
+    def locate(self, path: Path_) -> Location:
+        return locate(self.positions, path, self.files[0])
+
+
+def locate(positions: Positions, path: Path_, default_file: str) -> Location:
+    """The location of a path, or of its nearest ancestor that was written down."""
+    path = tuple(path)
+    while path:
+        if path in positions:
+            return positions[path]
+        path = path[:-1]
+    return positions.get((), Location(default_file))
+
+
+# ----------------------------------------------------------------------------- composition
+def _merge(base: Any, base_pos: Positions, top: Any, top_pos: Positions, prefix: Path_ = ()) -> Any:
+    """Deep-merge `top` over `base` (mappings merge, everything else replaces), positions alike."""
+    if isinstance(base, dict) and isinstance(top, dict):
+        if prefix and prefix[0] in ("data", "strategy") and len(prefix) == 1:
+            base = _switch_plugin(prefix[0], base, top)
+        out = dict(base)
+        for key, value in top.items():
+            out[key] = _merge(base.get(key), base_pos, value, top_pos, prefix + (key,)) if key in base else value
+            if key not in base:
+                _drop_positions(base_pos, prefix + (key,))
+        return out
+    _drop_positions(base_pos, prefix)
+    return top
+
+
+def _switch_plugin(block: str, base: dict, top: dict) -> dict:
+    """`strategy.name=fsdp` over a ddp block keeps only the options fsdp also accepts."""
+    new, old = top.get("name"), base.get("name")
+    if new is None or new == old or new not in registry.names(PLUGIN_FIELDS[block]):
+        return base
+    try:
+        accepted = registry.load(PLUGIN_FIELDS[block], new).model_fields
+    except registry.PluginError:
+        return base
+    return {k: v for k, v in base.items() if k in accepted}
+
+
+def _drop_positions(positions: Positions, prefix: Path_) -> None:
+    n = len(prefix)
+    for key in [k for k in positions if k[:n] == prefix]:
+        del positions[key]
+
+
+def _compose(path: Path, chain: list[Path], problems: list[Problem]) -> tuple[dict, Positions, list[str]]:
+    """Load `path` and everything its `defaults:` names, merged in order under it."""
+    try:
+        data, positions = load_yaml(path)
+    except RecipeError as err:
+        problems.extend(err.problems)
+        return {}, {}, [str(path)]
+    files = [str(path)]
+    defaults = data.pop("defaults", [])
+    own_pos = {k: v for k, v in positions.items() if not (k and k[0] == "defaults")}
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        problems.append(Problem(locate(positions, ("defaults",), str(path)), "defaults",
+                                f"must be a list of recipe file paths, got {short(defaults)}"))
+        defaults = []
+    merged: dict = {}
+    merged_pos: Positions = {}
+    for i, name in enumerate(defaults):
+        where = locate(positions, ("defaults", i), str(path))
+        target = (path.parent / name).resolve()
+        if target in chain:
+            cycle = " -> ".join(p.name for p in chain[chain.index(target):] + [target])
+            problems.append(Problem(where, f"defaults[{i}]", f"composition cycle: {cycle}"))
+            continue
+        if not target.is_file():
+            siblings = [str(p.relative_to(path.parent)) for p in path.parent.rglob("*.y*ml")] if path.parent.is_dir() else []
+            problems.append(Problem(where, f"defaults[{i}]", f"file not found: {name} (looked in {target.parent})"
+                                    + did_you_mean(name, siblings)))
+            continue
+        sub, sub_pos, sub_files = _compose(target, chain + [target], problems)
+        merged = _merge(merged, merged_pos, sub, sub_pos)
+        merged_pos.update(sub_pos)
+        files += sub_files
+    merged = _merge(merged, merged_pos, data, own_pos)
+    merged_pos.update(own_pos)
+    return merged, merged_pos, files
+
+
+def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str], problems: list[Problem]) -> dict:
+    from omegaconf import OmegaConf
+
+    for text in overrides:
+        where = Location("<command line>", override=text)
+        key, sep, _ = text.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][\w\-]*(\.[\w\-]+)*", key.strip()):
+            problems.append(Problem(where, "", "overrides are written key.path=value, e.g. trainer.max_steps=20"))
+            continue
+        try:
+            layer = OmegaConf.to_container(OmegaConf.from_dotlist([text]), resolve=False)
+        except Exception as exc:  # OmegaConf grammar errors
+            problems.append(Problem(where, key, f"cannot parse override value: {_first_line(exc)}"))
+            continue
+        path = tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
+        layer_pos = {path[:i]: where for i in range(1, len(path) + 1)}
+        data = _merge(data, positions, layer, layer_pos)
+        positions.update(layer_pos)
+    return data
+
+
+def _interpolate(data: dict, positions: Positions, file: str, problems: list[Problem]) -> dict:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.create(data)
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or ""
+        path = tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", key) if p)
+        problems.append(Problem(locate(positions, path, file), key, f"cannot resolve interpolation: {_first_line(exc)}"))
+        return data
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- plugin names
+def _check_plugin_names(data: dict, positions: Positions, file: str, problems: list[Problem]) -> dict[str, tuple]:
+    """Check every plugin block names a registered plugin; return the names per block."""
+    chosen: dict[str, tuple] = {}
+    bad: set[Path_] = set()
+    for block in ("data", "strategy"):
+        kind = PLUGIN_FIELDS[block]
+        value = data.get(block)
+        if not isinstance(value, dict):
+            chosen[block] = (registry.names(kind)[0],)
+            continue
+        name = value.get("name")
+        if name in registry.names(kind):
+            chosen[block] = (name,)
+        else:
+            chosen[block] = (registry.names(kind)[0],)
+            bad.add((block,))
+            problems.append(_unknown_plugin(kind, name, positions, (block, "name"), file))
+    monitors = data.get("monitors")
+    names: list[str] = []
+    if isinstance(monitors, list):
+        seen: dict[str, int] = {}
+        for i, item in enumerate(monitors):
+            name = item.get("name") if isinstance(item, dict) else None
+            if not isinstance(item, dict):
+                continue
+            if name not in registry.names("monitors"):
+                bad.add(("monitors", i))
+                problems.append(_unknown_plugin("monitors", name, positions, ("monitors", i, "name"), file))
+            elif name in seen:
+                problems.append(Problem(locate(positions, ("monitors", i), file), f"monitors[{i}]",
+                                        f"monitor '{name}' is listed twice (first at monitors[{seen[name]}])"))
+            else:
+                seen[name] = i
+                names.append(name)
+    chosen["monitors"] = tuple(sorted(set(names)))
+    chosen["_bad"] = tuple(bad)
+    return chosen
+
+
+def _unknown_plugin(kind: str, name: Any, positions: Positions, path: Path_, file: str) -> Problem:
+    known = registry.names(kind)
+    what = kind[:-1] if kind != "strategies" else "strategy"
+    if name is None:
+        msg = f"missing 'name': which {what}? one of: {', '.join(known)}"
+    else:
+        msg = f"unknown {what} {short(name)}{did_you_mean(name, known)} (registered: {', '.join(known)})"
+    return Problem(locate(positions, path, file), dotted(path), msg)
+
+
+def _check_model_name(data: dict, positions: Positions, file: str, problems: list[Problem]) -> None:
+    model = data.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    if not isinstance(name, str):
+        return  # the schema reports missing/mistyped names
+    if name.startswith("torchvision.") or name in registry.names("models"):
+        return
+    if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", name):
+        return
+    problems.append(Problem(
+        locate(positions, ("model", "name"), file), "model.name",
+        f"unknown model {short(name)}{did_you_mean(name, registry.names('models'))}; write torchvision.<name> "
+        f"(e.g. torchvision.resnet50), an import path 'package.module:factory', or a registered model "
+        f"({', '.join(registry.names('models'))})"))
+
+
+# ----------------------------------------------------------------------------- pydantic errors
+def _unwrap_models(tp: Any) -> list[type[BaseModel]]:
+    """BaseModel classes reachable through Annotated / Optional / Union / list annotations."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _unwrap_models(typing.get_args(tp)[0])
+    if origin in (typing.Union, list, getattr(__import__("types"), "UnionType", None)):
+        return [m for arg in typing.get_args(tp) for m in _unwrap_models(arg)]
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return [tp]
+    return []
+
+
+def _model_at(model: type[BaseModel], data: Any, path: Path_) -> Optional[type[BaseModel]]:
+    """The options model that validates the mapping at `path` (to list its accepted keys)."""
+    current: Optional[type[BaseModel]] = model
+    for part in path:
+        if isinstance(part, int):
+            data = data[part] if isinstance(data, list) and part < len(data) else None
+            continue
+        if current is None or part not in current.model_fields:
+            return None
+        candidates = _unwrap_models(current.model_fields[part].annotation)
+        data = data.get(part) if isinstance(data, dict) else None
+        current = _pick(candidates, data)
+    return current
+
+
+def _pick(candidates: list[type[BaseModel]], data: Any) -> Optional[type[BaseModel]]:
+    if len(candidates) == 1:
+        return candidates[0]
+    probe = data[0] if isinstance(data, list) and data else data
+    tag = probe.get("name") if isinstance(probe, dict) else None
+    for cand in candidates:
+        name_field = cand.model_fields.get("name")
+        if name_field is not None and tag in typing.get_args(name_field.annotation):
+            return cand
+    return None
+
+
+def _clean_loc(loc: tuple, data: Any) -> Path_:
+    """Drop discriminator tags pydantic inserts into locations ('strategy', 'ddp', 'x')."""
+    out: list = []
+    for part in loc:
+        if isinstance(data, dict) and part not in data and data.get("name") == part:
+            continue
+        if isinstance(data, dict):
+            data = data.get(part)
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            data = None
+        out.append(part)
+    return tuple(out)
+
+
+def _pydantic_problem(err: dict, model: type[Recipe], data: dict, positions: Positions, file: str) -> Problem:
+    path = _clean_loc(err["loc"], data)
+    kind = err["type"]
+    where = locate(positions, path, file)
+    if kind == "extra_forbidden":
+        parent = _model_at(model, data, path[:-1])
+        accepted = [k for k in parent.model_fields] if parent else []
+        msg = f"unknown key '{path[-1]}'{did_you_mean(str(path[-1]), accepted)}"
+        if accepted:
+            msg += f" (accepted: {', '.join(accepted)})"
+    elif kind == "missing":
+        parent = _model_at(model, data, path[:-1])
+        info = parent.model_fields.get(str(path[-1])) if parent else None
+        desc = f" ({info.description})" if info and info.description else ""
+        msg = f"required field missing{desc}"
+    elif kind == "literal_error":
+        options = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
+        msg = f"got {short(err['input'])}{did_you_mean(str(err['input']), options)}; expected one of: {', '.join(options)}"
+    elif kind == "string_pattern_mismatch" and path == ("name",):
+        msg = f"got {short(err['input'])}; use letters, digits, '.', '_' and '-' (it names run folders and MLflow runs)"
+    else:
+        msg = f"{err['msg']} (got {short(err['input'])})"
+    return Problem(where, dotted(path), msg)
+
+
+# ----------------------------------------------------------------------------- entry point
+def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
+    """Resolve and validate a recipe. Raises RecipeError listing every problem found."""
+    path = Path(path)
+    file = str(path)
+    problems: list[Problem] = []
+    data, positions, files = _compose(path.resolve(), [path.resolve()], problems)
+    # report locations relative to what the user typed, not the resolved absolute path
+    positions = {k: _relabel(v, path) for k, v in positions.items()}
+    problems = [Problem(_relabel(p.location, path), p.path, p.message, p.severity) for p in problems]
+    files = [_relabel(Location(f), path).file for f in files]
+    if problems and not data:
+        raise RecipeError(problems)
+    data = _apply_overrides(data, positions, overrides, problems)
+    data = _interpolate(data, positions, file, problems)
+    if isinstance(data.get("monitors"), list):
+        data["monitors"] = [{"name": m} if isinstance(m, str) else m for m in data["monitors"]]
+    _check_model_name(data, positions, file, problems)
+    chosen = _check_plugin_names(data, positions, file, problems)
+    try:
+        model = recipe_model(chosen["data"], chosen["strategy"], chosen["monitors"])
+    except registry.PluginError as exc:
+        raise RecipeError(problems + [Problem(Location(file), "", str(exc))]) from None
+    recipe = None
+    try:
+        recipe = model.model_validate(data)
+    except ValidationError as exc:
+        bad = chosen["_bad"]
+        for err in exc.errors(include_url=False):
+            p = _clean_loc(err["loc"], data)
+            if any(p[: len(b)] == b for b in bad):
+                continue  # already reported as an unknown plugin name
+            problems.append(_pydantic_problem(err, model, data, positions, file))
+    if recipe is not None and not problems:
+        for rule_path, message in rules.check(recipe):
+            problems.append(Problem(locate(positions, rule_path, file), dotted(rule_path), message))
+    if problems:
+        raise RecipeError(_dedupe(problems))
+    return Resolved(recipe=recipe, data=data, positions=positions, files=files)
+
+
+def _relabel(loc: Location, typed: Path) -> Location:
+    """Show file names as the user addressed them (relative to the cwd where possible)."""
+    if loc.override is not None:
+        return loc
+    p = Path(loc.file)
+    try:
+        name = str(p.relative_to(Path.cwd()))
+    except ValueError:
+        name = str(p)
+    if p == typed.resolve():
+        name = str(typed)
+    return Location(name, loc.line, loc.col, loc.override)
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    seen, out = set(), []
+    for p in problems:
+        if (str(p)) not in seen:
+            seen.add(str(p))
+            out.append(p)
+    return out

@@ -1,0 +1,144 @@
+"""Rules that span several fields, checked before launch instead of failing at step 500.
+
+Each rule is a small function taking the typed Recipe and yielding (path, message). Rules here
+need no heavy imports; checks that need torch/DeepSpeed live in `deep_checks`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from .schema import Recipe
+
+Finding = tuple[tuple, str]
+RULES: list[Callable[[Recipe], Iterator[Finding]]] = []
+
+
+def rule(fn: Callable[[Recipe], Iterator[Finding]]) -> Callable[[Recipe], Iterator[Finding]]:
+    RULES.append(fn)
+    return fn
+
+
+def check(recipe: Recipe) -> list[Finding]:
+    return [finding for fn in RULES for finding in fn(recipe)]
+
+
+@rule
+def fp16_needs_loss_scaling(r: Recipe) -> Iterator[Finding]:
+    if r.precision == "fp16" and r.trainer.loss_scale is None:
+        yield ("trainer", "loss_scale"), ("fp16 without loss scaling lets small gradients underflow to zero; "
+                                          "set trainer.loss_scale: dynamic (or use precision: bf16)")
+
+
+@rule
+def pipeline_batch_splits_into_microbatches(r: Recipe) -> Iterator[Finding]:
+    s = r.strategy
+    if s.name != "pipeline":
+        return
+    if r.data.batch_size % s.microbatches:
+        yield ("strategy", "microbatches"), (
+            f"data.batch_size {r.data.batch_size} is not divisible by strategy.microbatches {s.microbatches}; "
+            f"each micro-batch must be whole (e.g. batch_size {s.microbatches * max(1, r.data.batch_size // s.microbatches)})")
+    gb = r.global_batch
+    if gb is not None and gb % s.microbatches:
+        yield ("strategy", "microbatches"), (
+            f"global batch {gb} (batch_size x data-parallel size x grad_accum_steps) is not divisible by "
+            f"{s.microbatches} microbatches")
+    if s.schedule == "interleaved_1f1b" and r.world_size is not None and s.split_points \
+            and (len(s.split_points) + 1) % r.world_size:
+        yield ("strategy", "split_points"), (
+            f"interleaved_1f1b places several stages on each rank: {len(s.split_points) + 1} stages "
+            f"do not divide evenly over world size {r.world_size}")
+    if r.world_size is not None and s.split_points and s.schedule != "interleaved_1f1b" \
+            and len(s.split_points) + 1 != r.world_size:
+        yield ("strategy", "split_points"), (
+            f"{len(s.split_points)} split points make {len(s.split_points) + 1} stages, but the world size is "
+            f"{r.world_size} (one stage per rank); use {r.world_size - 1} split points or change launch.nproc_per_node")
+
+
+@rule
+def deepspeed_options_are_consistent(r: Recipe) -> Iterator[Finding]:
+    s = r.strategy
+    if s.name != "deepspeed":
+        return
+    if s.offload_param != "none" and s.zero_stage != 3:
+        yield ("strategy", "offload_param"), (
+            f"parameter offload needs zero_stage 3 (got zero_stage {s.zero_stage})")
+    if s.offload_optimizer != "none" and s.zero_stage == 0:
+        yield ("strategy", "offload_optimizer"), "optimizer offload needs zero_stage 1, 2 or 3 (got 0)"
+    owned = {
+        "train_batch_size": "data.batch_size and trainer.grad_accum_steps",
+        "train_micro_batch_size_per_gpu": "data.batch_size",
+        "gradient_accumulation_steps": "trainer.grad_accum_steps",
+        "gradient_clipping": "trainer.grad_clip",
+        "fp16": "precision", "bf16": "precision",
+        "optimizer": "optimizer", "scheduler": "scheduler",
+    }
+    for key in s.config:
+        if key in owned:
+            yield ("strategy", "config", key), f"set by the recipe, not the pass-through config: use {owned[key]}"
+    zero = s.config.get("zero_optimization", {})
+    if isinstance(zero, dict) and "stage" in zero:
+        yield ("strategy", "config", "zero_optimization", "stage"), "use strategy.zero_stage"
+
+
+@rule
+def loader_options_need_workers(r: Recipe) -> Iterator[Finding]:
+    d = r.data
+    if d.num_workers == 0 and d.prefetch_factor is not None:
+        yield ("data", "prefetch_factor"), "prefetch_factor needs num_workers > 0 (set num_workers, or remove it)"
+    if d.num_workers == 0 and d.persistent_workers:
+        yield ("data", "persistent_workers"), "persistent_workers needs num_workers > 0"
+
+
+@rule
+def schedule_fits_training(r: Recipe) -> Iterator[Finding]:
+    sc, t = r.scheduler, r.trainer
+    if sc.warmup_steps >= t.max_steps and sc.warmup_steps > 0:
+        yield ("scheduler", "warmup_steps"), (
+            f"warm-up ({sc.warmup_steps} steps) must be shorter than training (trainer.max_steps {t.max_steps})")
+    if sc.name == "step" and sc.step_size is None:
+        yield ("scheduler", "step_size"), "scheduler 'step' needs step_size (steps between decays)"
+    if sc.name != "step" and sc.step_size is not None:
+        yield ("scheduler", "step_size"), f"step_size only applies to scheduler 'step' (got '{sc.name}')"
+
+
+@rule
+def trainer_intervals(r: Recipe) -> Iterator[Finding]:
+    t = r.trainer
+    if t.resume not in ("auto", "never") and not t.resume.strip():
+        yield ("trainer", "resume"), "resume is auto, never, or a checkpoint folder path"
+    if t.eval_every is not None and r.data.name == "imagefolder" and r.data.val_root is None:
+        yield ("trainer", "eval_every"), "evaluation needs data.val_root (a folder of held-out images)"
+
+
+@rule
+def multi_node_needs_rendezvous(r: Recipe) -> Iterator[Finding]:
+    l = r.launch
+    nnodes = l.nnodes
+    if isinstance(nnodes, str):
+        parts = nnodes.split(":")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[0]) > int(parts[1]):
+            yield ("launch", "nnodes"), f"got '{nnodes}'; use a number or 'MIN:MAX' with 0 < MIN <= MAX, e.g. '1:4'"
+            return
+    multi = not (nnodes == 1 or nnodes == "1:1")
+    if multi and l.rdzv_endpoint is None:
+        yield ("launch", "rdzv_endpoint"), "several nodes need a rendezvous endpoint HOST:PORT reachable from all of them"
+    if l.rdzv_endpoint is not None and not _host_port(l.rdzv_endpoint):
+        yield ("launch", "rdzv_endpoint"), f"got '{l.rdzv_endpoint}'; expected HOST:PORT, e.g. node0.cluster:29400"
+    if l.rdzv_backend == "static" and multi and l.node_rank is None:
+        yield ("launch", "node_rank"), "static rendezvous needs each node's node_rank"
+
+
+def _host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+@rule
+def monitor_ranks_exist(r: Recipe) -> Iterator[Finding]:
+    ws = r.world_size
+    for i, m in enumerate(r.monitors):
+        for rank in getattr(m, "ranks", []) or []:
+            if ws is not None and rank >= ws:
+                yield ("monitors", i, "ranks"), f"rank {rank} does not exist: world size is {ws}"

@@ -1,0 +1,97 @@
+"""The `Recipe`: one frozen, fully typed object that every later component receives.
+
+Plugin blocks (data, strategy, monitors) are discriminated unions on `name` whose members come
+from the registry. To keep `trainkit validate` fast and plugins lazily imported, a recipe is
+validated against a model built from only the plugins it names; `trainkit schema` builds the
+model from every registered plugin.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Field, create_model
+
+from .. import registry
+from .blocks import (
+    AdamOptions,
+    Block,
+    LaunchOptions,
+    ModelSpec,
+    OptimizerOptions,
+    PluginBlock,
+    SchedulerOptions,
+    SGDOptions,
+    TrackingOptions,
+    TrainerOptions,
+)
+
+PLUGIN_FIELDS = {"data": "datasets", "strategy": "strategies", "monitors": "monitors"}
+Precision = Literal["fp32", "fp16", "bf16"]
+
+
+class Recipe(Block):
+    """Typed view shared by every concrete recipe model (the plugin blocks are narrowed there)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", max_length=100,
+                      description="run name: letters, digits, '.', '_' and '-'")
+    seed: int = Field(default=0, description="base random seed (each rank derives its own)")
+    model: ModelSpec
+    data: Any
+    strategy: Any
+    precision: Precision = Field(default="fp32", description="fp32 | fp16 (with loss scaling) | bf16")
+    optimizer: Annotated[OptimizerOptions, Field(discriminator="name")] = Field(
+        default_factory=lambda: SGDOptions(name="sgd", lr=0.1))
+    scheduler: SchedulerOptions = Field(default_factory=SchedulerOptions)
+    trainer: TrainerOptions
+    launch: LaunchOptions = Field(default_factory=LaunchOptions)
+    monitors: list[Any] = Field(default_factory=list, description="monitor plugins, by name or {name: ..., options}")
+    tracking: TrackingOptions = Field(default_factory=TrackingOptions)
+
+    # ---- derived facts used by plan, the launcher and the loop
+    @property
+    def world_size(self) -> Optional[int]:
+        nnodes = self.launch.nnodes
+        if isinstance(nnodes, str):
+            return None  # elastic: known only at rendezvous
+        return self.launch.nproc_per_node * nnodes
+
+    @property
+    def data_parallel_size(self) -> Optional[int]:
+        ws = self.world_size
+        if ws is None:
+            return None
+        return 1 if self.strategy.name == "pipeline" else ws
+
+    @property
+    def global_batch(self) -> Optional[int]:
+        dp = self.data_parallel_size
+        return None if dp is None else self.data.batch_size * dp * self.trainer.grad_accum_steps
+
+
+def _union(options: list[type[PluginBlock]]) -> Any:
+    if len(options) == 1:
+        return options[0]
+    return Annotated[Union[tuple(options)], Field(discriminator="name")]
+
+
+@lru_cache(maxsize=64)
+def recipe_model(datasets: tuple[str, ...], strategies: tuple[str, ...], monitors: tuple[str, ...]) -> type[Recipe]:
+    """A Recipe model whose plugin blocks accept exactly the named (registered) plugins."""
+    data_t = _union([registry.load("datasets", n) for n in datasets])
+    strategy_t = _union([registry.load("strategies", n) for n in strategies])
+    fields: dict[str, Any] = {"data": (data_t, ...), "strategy": (strategy_t, ...)}
+    if monitors:
+        fields["monitors"] = (list[_union([registry.load("monitors", n) for n in monitors])],
+                              Field(default_factory=list, description="monitor plugins"))
+    return create_model("Recipe", __base__=Recipe, **fields)
+
+
+def full_recipe_model() -> type[Recipe]:
+    """The model with every registered plugin (for `trainkit schema`)."""
+    return recipe_model(tuple(registry.names("datasets")), tuple(registry.names("strategies")),
+                        tuple(registry.names("monitors")))
+
+
+__all__ = ["Recipe", "recipe_model", "full_recipe_model", "PLUGIN_FIELDS", "AdamOptions"]

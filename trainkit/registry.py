@@ -1,0 +1,64 @@
+"""One plugin registry for models, datasets, strategies and monitors.
+
+Built-ins and third-party plugins register the same way: Python entry points in the groups
+``trainkit.models``, ``trainkit.datasets``, ``trainkit.strategies`` and ``trainkit.monitors``.
+Listing names reads package metadata only; a plugin is imported when a recipe names it.
+
+* datasets / strategies / monitors: the entry point names a pydantic options model with a
+  ``name: Literal[...]`` tag and a ``component`` ClassVar ("module:attr") for the runtime piece.
+* models: the entry point names the factory itself (called with the recipe's ``model.args``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from importlib.metadata import entry_points
+from typing import Any
+
+KINDS = ("models", "datasets", "strategies", "monitors")
+
+
+class PluginError(Exception):
+    """A plugin could not be imported or is malformed."""
+
+
+@lru_cache(maxsize=None)
+def _entry_points(kind: str) -> dict[str, Any]:
+    found = {}
+    for ep in entry_points(group=f"trainkit.{kind}"):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def names(kind: str) -> list[str]:
+    """Registered plugin names of one kind, sorted."""
+    return sorted(_entry_points(kind))
+
+
+@lru_cache(maxsize=None)
+def load(kind: str, name: str) -> Any:
+    """Import the object a plugin entry point names."""
+    ep = _entry_points(kind).get(name)
+    if ep is None:
+        raise PluginError(f"no {kind[:-1]} plugin named '{name}' (registered: {', '.join(names(kind))})")
+    try:
+        return ep.load()
+    except Exception as exc:  # a broken third-party plugin must not crash the CLI
+        raise PluginError(f"{kind[:-1]} plugin '{name}' ({ep.value}) failed to import: "
+                          f"{type(exc).__name__}: {exc}") from exc
+
+
+def import_path(spec: str) -> Any:
+    """Resolve 'package.module:attr' (the form used by components and model factories)."""
+    module_name, _, attr = spec.partition(":")
+    module = importlib.import_module(module_name)
+    obj = module
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def component(options: Any) -> Any:
+    """The runtime implementation behind a plugin options block."""
+    return import_path(type(options).component)
