@@ -8,6 +8,7 @@ line and column (or override) that set the offending value.
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from .. import registry
 from .problems import Location, Problem, RecipeError, did_you_mean, short
 from .schema import PLUGIN_FIELDS, Recipe, recipe_model
-from .yaml_source import Path_, dotted, load_yaml
+from .yaml_source import KEY, Path_, dotted, load_yaml
 from . import rules
 
 Positions = dict[Path_, Location]
@@ -39,9 +40,11 @@ class Resolved:
         return locate(self.positions, path, self.files[0])
 
 
-def locate(positions: Positions, path: Path_, default_file: str) -> Location:
-    """The location of a path, or of its nearest ancestor that was written down."""
+def locate(positions: Positions, path: Path_, default_file: str, key: bool = False) -> Location:
+    """Where the value at `path` (or, with key=True, its key) was written, else its nearest ancestor's."""
     path = tuple(path)
+    if key and path + (KEY,) in positions:
+        return positions[path + (KEY,)]
     while path:
         if path in positions:
             return positions[path]
@@ -109,7 +112,8 @@ def _compose(path: Path, chain: list[Path], problems: list[Problem]) -> tuple[di
             problems.append(Problem(where, f"defaults[{i}]", f"composition cycle: {cycle}"))
             continue
         if not target.is_file():
-            siblings = [str(p.relative_to(path.parent)) for p in path.parent.rglob("*.y*ml")] if path.parent.is_dir() else []
+            folder = os.path.dirname(name)
+            siblings = [os.path.join(folder, p.name) for p in target.parent.glob("*.y*ml")] if target.parent.is_dir() else []
             problems.append(Problem(where, f"defaults[{i}]", f"file not found: {name} (looked in {target.parent})"
                                     + did_you_mean(name, siblings)))
             continue
@@ -137,7 +141,7 @@ def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str],
             problems.append(Problem(where, key, f"cannot parse override value: {_first_line(exc)}"))
             continue
         path = tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
-        layer_pos = {path[:i]: where for i in range(1, len(path) + 1)}
+        layer_pos = {path[:i] + end: where for i in range(1, len(path) + 1) for end in ((), (KEY,))}
         data = _merge(data, positions, layer, layer_pos)
         positions.update(layer_pos)
     return data
@@ -242,24 +246,24 @@ def _unwrap_models(tp: Any) -> list[type[BaseModel]]:
 
 def _model_at(model: type[BaseModel], data: Any, path: Path_) -> Optional[type[BaseModel]]:
     """The options model that validates the mapping at `path` (to list its accepted keys)."""
-    current: Optional[type[BaseModel]] = model
+    candidates: list[type[BaseModel]] = [model]
     for part in path:
         if isinstance(part, int):
             data = data[part] if isinstance(data, list) and part < len(data) else None
             continue
+        current = _pick(candidates, data)
         if current is None or part not in current.model_fields:
             return None
         candidates = _unwrap_models(current.model_fields[part].annotation)
         data = data.get(part) if isinstance(data, dict) else None
-        current = _pick(candidates, data)
-    return current
+    return _pick(candidates, data)
 
 
 def _pick(candidates: list[type[BaseModel]], data: Any) -> Optional[type[BaseModel]]:
+    """The union member a mapping selects with its `name` tag."""
     if len(candidates) == 1:
         return candidates[0]
-    probe = data[0] if isinstance(data, list) and data else data
-    tag = probe.get("name") if isinstance(probe, dict) else None
+    tag = data.get("name") if isinstance(data, dict) else None
     for cand in candidates:
         name_field = cand.model_fields.get("name")
         if name_field is not None and tag in typing.get_args(name_field.annotation):
@@ -286,7 +290,10 @@ def _clean_loc(loc: tuple, data: Any) -> Path_:
 def _pydantic_problem(err: dict, model: type[Recipe], data: dict, positions: Positions, file: str) -> Problem:
     path = _clean_loc(err["loc"], data)
     kind = err["type"]
-    where = locate(positions, path, file)
+    if kind == "missing":  # point at the mapping that lacks the key
+        where = locate(positions, path[:-1], file, key=True)
+    else:
+        where = locate(positions, path, file, key=kind == "extra_forbidden")
     if kind == "extra_forbidden":
         parent = _model_at(model, data, path[:-1])
         accepted = [k for k in parent.model_fields] if parent else []
@@ -319,10 +326,12 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     positions = {k: _relabel(v, path) for k, v in positions.items()}
     problems = [Problem(_relabel(p.location, path), p.path, p.message, p.severity) for p in problems]
     files = [_relabel(Location(f), path).file for f in files]
-    if problems and not data:
+    if problems:  # a broken composition makes every later message noise
         raise RecipeError(problems)
     data = _apply_overrides(data, positions, overrides, problems)
     data = _interpolate(data, positions, file, problems)
+    if problems:
+        raise RecipeError(problems)
     if isinstance(data.get("monitors"), list):
         data["monitors"] = [{"name": m} if isinstance(m, str) else m for m in data["monitors"]]
     _check_model_name(data, positions, file, problems)
@@ -354,9 +363,8 @@ def _relabel(loc: Location, typed: Path) -> Location:
     if loc.override is not None:
         return loc
     p = Path(loc.file)
-    try:
-        name = str(p.relative_to(Path.cwd()))
-    except ValueError:
+    name = os.path.relpath(p) if p.is_absolute() else str(p)
+    if name.startswith("../../.."):
         name = str(p)
     if p == typed.resolve():
         name = str(typed)

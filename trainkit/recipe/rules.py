@@ -40,7 +40,7 @@ def pipeline_batch_splits_into_microbatches(r: Recipe) -> Iterator[Finding]:
             f"data.batch_size {r.data.batch_size} is not divisible by strategy.microbatches {s.microbatches}; "
             f"each micro-batch must be whole (e.g. batch_size {s.microbatches * max(1, r.data.batch_size // s.microbatches)})")
     gb = r.global_batch
-    if gb is not None and gb % s.microbatches:
+    if gb is not None and gb % s.microbatches and not r.data.batch_size % s.microbatches:
         yield ("strategy", "microbatches"), (
             f"global batch {gb} (batch_size x data-parallel size x grad_accum_steps) is not divisible by "
             f"{s.microbatches} microbatches")

@@ -22,6 +22,7 @@ MAX_DEPTH = 32
 MAX_NODES = 20_000  # after alias expansion
 
 Path_ = tuple  # a path into the data: ("trainer", "checkpoint", "every") or ("monitors", 0)
+KEY = "\0key"  # positions[path + (KEY,)] is where the key of `path` was written; positions[path] its value
 _ALLOWED_TAGS = {
     "tag:yaml.org,2002:" + t for t in ("str", "int", "float", "bool", "null", "map", "seq")
 }
@@ -73,9 +74,8 @@ class _Builder:
                 if key in out:
                     raise _fail(self.file, f"key '{key}' appears twice in the same mapping",
                                 *self._lc(key_node), path=dotted(path + (key,)))
-                self.positions[path + (key,)] = self.loc(key_node)
+                self.positions[path + (key, KEY)] = self.loc(key_node)
                 out[key] = self.build(value_node, path + (key,), depth + 1)
-                self.positions[path + (key,)] = self.loc(key_node)
             return out
         if isinstance(node, SequenceNode):
             return [self.build(item, path + (i,), depth + 1) for i, item in enumerate(node.value)]
