@@ -1,0 +1,28 @@
+"""The `blobs` dataset: options model (light, imported by `trainkit validate`) + builder (torch)."""
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, PositiveInt
+
+from trainkit.recipe.blocks import DataOptions
+
+
+class BlobsData(DataOptions):
+    """Gaussian clusters in `dim` dimensions, one cluster per class."""
+
+    component: ClassVar[str] = "trainkit_example_plugin.data:build_blobs"
+    name: Literal["blobs"]
+    num_samples: PositiveInt = Field(default=1024, description="dataset length")
+    dim: PositiveInt = Field(default=32, description="features per sample")
+    num_classes: PositiveInt = Field(default=4, description="clusters")
+
+
+def build_blobs(options: BlobsData, *, seed: int, train: bool = True):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(seed + (0 if train else 1))
+    centers = torch.randn(options.num_classes, options.dim, generator=torch.Generator().manual_seed(seed)) * 3
+    labels = torch.randint(0, options.num_classes, (options.num_samples,), generator=g)
+    x = centers[labels] + torch.randn(options.num_samples, options.dim, generator=g)
+    return TensorDataset(x, labels)
