@@ -1,0 +1,1 @@
+"""Launching workers: run directory, torchrun elastic agent, failure reports."""

@@ -1,0 +1,1 @@
+"""Runtime pieces built from a Recipe inside each worker: model, data, optimizer, loop, checkpoints."""

@@ -1,0 +1,197 @@
+"""Atomic, verifiable checkpoints and the choice of where to resume.
+
+Layout: RUN_DIR/checkpoints/step-00000008/ holding the strategy's model/optimizer files,
+`trainer.pt` (step, epoch, position in the epoch, scheduler, scaler, recipe hash), one
+`rng-rankNNNNN.pt` per rank, and `meta.json` (sha256 of every file). Everything is written into
+`.tmp-step-...`, fsynced, and renamed; `meta.json` is written last, so a folder without it — or
+whose files do not match its hashes — is incomplete and never resumed from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+PREFIX = "step-"
+
+
+# --------------------------------------------------------------------------- files
+def fsync_save(obj: Any, path: Path) -> None:
+    """torch.save that reaches the disk before returning."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def recipe_hash(data: dict) -> str:
+    """Hash of the resolved recipe, stored in each checkpoint to notice a changed recipe on resume."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+# --------------------------------------------------------------------------- validity
+def problem_with(folder: Path) -> Optional[str]:
+    """Why a checkpoint folder cannot be resumed from, or None if it is complete and intact."""
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return "incomplete (no meta.json: the write was interrupted)"
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+    except (ValueError, KeyError) as exc:
+        return f"meta.json is unreadable ({exc})"
+    for name, digest in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} is corrupt (sha256 does not match meta.json)"
+    return None
+
+
+def step_folders(ckpt_dir: Path) -> list[Path]:
+    """Checkpoint folders, newest step first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+             and p.name[len(PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def newest_valid(ckpt_dir: Path, warn: bool = True) -> Optional[Path]:
+    """The newest complete, intact checkpoint; skipped ones are named in a warning."""
+    for folder in step_folders(ckpt_dir):
+        why = problem_with(folder)
+        if why is None:
+            return folder
+        if warn:
+            print(f"trainkit: warning: skipping checkpoint {folder}: {why}", file=sys.stderr, flush=True)
+    return None
+
+
+def resume_source(resume: str, ckpt_dir: Path, restart_count: int, warn: bool) -> Optional[Path]:
+    """Where to resume from. After a torchrun restart, always this run's own newest checkpoint."""
+    if restart_count > 0 or resume == "auto":
+        own = newest_valid(ckpt_dir, warn=warn)
+        if own is not None or resume in ("auto", "never"):
+            return own
+    if resume == "never":
+        return None
+    path = Path(resume).expanduser()
+    why = problem_with(path) if path.is_dir() else "no such folder"
+    if why:
+        raise FileNotFoundError(f"trainer.resume: cannot resume from {path}: {why}")
+    return path
+
+
+# --------------------------------------------------------------------------- save / load
+class Checkpointer:
+    """Saves and restores full training state through a Strategy (which owns model/optimizer files)."""
+
+    def __init__(self, ckpt_dir: Path, strategy, keep: int, recipe_sha256: str):
+        self.dir, self.strategy, self.keep, self.recipe_sha256 = ckpt_dir, strategy, keep, recipe_sha256
+
+    def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
+        s = self.strategy
+        final = self.dir / f"{PREFIX}{step:08d}"
+        tmp = self.dir / f".tmp-{final.name}"
+        if s.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        s.barrier()
+        try:
+            s.save_checkpoint(tmp, model, optimizer)
+            fsync_save(rng_state(), tmp / f"rng-rank{s.rank:05d}.pt")
+            if s.rank == 0:
+                fsync_save(dict(trainer_state, recipe_sha256=self.recipe_sha256, world_size=s.world_size),
+                           tmp / "trainer.pt")
+            s.barrier()
+            if s.rank == 0:
+                self._seal(tmp, final, step)
+            s.barrier()
+        except BaseException:
+            if s.rank == 0:  # interrupted or failed: never leave a half-written checkpoint behind
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _seal(self, tmp: Path, final: Path, step: int) -> None:
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        meta = {"step": step, "files": files, "recipe_sha256": self.recipe_sha256, "created": time.time()}
+        with open(tmp / "meta.json", "w") as fh:
+            json.dump(meta, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # a step redone after resuming from an older checkpoint
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        for old in step_folders(self.dir)[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, folder: Path, model, optimizer) -> dict:
+        """Restore model, optimizer and this rank's RNG; return the trainer state."""
+        s = self.strategy
+        s.load_checkpoint(folder, model, optimizer)
+        state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
+        rng = folder / f"rng-rank{s.rank:05d}.pt"
+        if rng.is_file():
+            set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
+        elif s.rank == 0:
+            print(f"trainkit: warning: {folder} has no RNG state for rank {s.rank} "
+                  f"(saved with world size {state.get('world_size')}); continuing with fresh seeds", file=sys.stderr)
+        if state.get("recipe_sha256") != self.recipe_sha256 and s.rank == 0:
+            print(f"trainkit: note: resuming from {folder}, which was written by a different version of the "
+                  f"recipe (hash changed)", file=sys.stderr)
+        return state

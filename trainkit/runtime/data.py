@@ -1,0 +1,207 @@
+"""Datasets and the resumable distributed DataLoader.
+
+Each builder named by a data block's `component` has the signature
+``build(options, *, split, seed) -> Dataset | None`` (split: "train" or "eval"; None when the
+recipe has no evaluation data). Samples are ``(input, label)``, or ``(input, label, skipped)``
+where `skipped` counts unreadable files replaced by the next readable one.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ..recipe.blocks import Cifar10Data, DataOptions, ImageFolderData, SyntheticData
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+# --------------------------------------------------------------------------- synthetic
+class SyntheticDataset(Dataset):
+    """Sample i is generated from (seed, i) alone, so every rank and every resume sees the same data.
+
+    Inputs are noise plus a per-class channel offset, so a model can actually learn the labels.
+    """
+
+    def __init__(self, num_samples: int, shape: list[int], num_classes: int, seed: int, sleep_ms: float = 0.0):
+        self.num_samples, self.shape, self.num_classes = num_samples, tuple(shape), num_classes
+        self.seed, self.sleep_s = seed, sleep_ms / 1000.0
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, num_classes, (num_samples,), generator=g)
+        self.offsets = torch.randn(num_classes, self.shape[0], generator=g)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
+        x = torch.randn(self.shape, generator=g)
+        label = self.labels[i]
+        offset = self.offsets[label].reshape((-1,) + (1,) * (len(self.shape) - 1))
+        return x + offset, label
+
+
+def build_synthetic(options: SyntheticData, *, split: str, seed: int) -> Dataset:
+    n = options.num_samples if split == "train" else max(options.batch_size, options.num_samples // 10)
+    return SyntheticDataset(n, options.shape, options.num_classes, seed if split == "train" else seed + 1,
+                            options.sleep_ms)
+
+
+# --------------------------------------------------------------------------- imagefolder
+def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
+    """Classes (sorted sub-folders) and (file, class index) pairs, like torchvision's ImageFolder."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    samples = [(f, i) for i, c in enumerate(classes) for f in sorted((root / c).rglob("*"))
+               if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()]
+    return classes, samples
+
+
+class ImageFolderDataset(Dataset):
+    """Decodes real images with PIL; an unreadable one either raises (naming the file) or is
+    replaced by the next readable image and counted."""
+
+    def __init__(self, root: Path, transform, on_corrupt: str):
+        self.root, self.transform, self.on_corrupt = root, transform, on_corrupt
+        self.classes, self.samples = scan_imagefolder(root)
+        if not self.samples:
+            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class>/")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _load(self, i: int):
+        from PIL import Image
+
+        path, label = self.samples[i]
+        with Image.open(path) as img:
+            return self.transform(img.convert("RGB")), label
+
+    def __getitem__(self, i: int):
+        skipped = 0
+        for attempt in range(len(self.samples)):
+            j = (i + attempt) % len(self.samples)
+            try:
+                x, label = self._load(j)
+                return x, label, skipped
+            except Exception as exc:  # PIL raises many types for bad files
+                path = self.samples[j][0]
+                if self.on_corrupt == "error":
+                    raise RuntimeError(f"unreadable image {path}: {type(exc).__name__}: {exc} "
+                                       f"(set data.on_corrupt: skip to skip and count such files)") from None
+                print(f"trainkit: warning: skipping unreadable image {path}: {exc}", file=sys.stderr)
+                skipped += 1
+        raise RuntimeError(f"every image under {self.root} is unreadable")
+
+
+def image_transforms(image_size: int, train: bool):
+    from torchvision import transforms as T
+
+    if train:
+        steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
+    else:
+        steps = [T.Resize(int(math.ceil(image_size * 256 / 224))), T.CenterCrop(image_size)]
+    return T.Compose(steps + [T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def build_imagefolder(options: ImageFolderData, *, split: str, seed: int) -> Optional[Dataset]:
+    root = options.root if split == "train" else options.val_root
+    if root is None:
+        return None
+    return ImageFolderDataset(Path(root).expanduser(), image_transforms(options.image_size, split == "train"),
+                              options.on_corrupt)
+
+
+# --------------------------------------------------------------------------- cifar10
+class Cifar10Dataset(Dataset):
+    """The python-pickle CIFAR-10 batches from a local folder (never downloaded)."""
+
+    def __init__(self, folder: Path, train: bool):
+        names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        images, labels = [], []
+        for name in names:
+            with open(folder / name, "rb") as fh:
+                entry = pickle.load(fh, encoding="latin1")
+            images.append(torch.as_tensor(entry["data"], dtype=torch.uint8))
+            labels.extend(entry["labels"])
+        self.images = torch.cat(images).reshape(-1, 3, 32, 32)
+        self.labels = torch.as_tensor(labels)
+        self.train = train
+        self.mean = torch.tensor((0.4914, 0.4822, 0.4465)).view(3, 1, 1)
+        self.std = torch.tensor((0.2470, 0.2435, 0.2616)).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = (self.images[i].float() / 255.0 - self.mean) / self.std
+        if self.train and torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        return x, self.labels[i]
+
+
+def build_cifar10(options: Cifar10Data, *, split: str, seed: int) -> Dataset:
+    return Cifar10Dataset(Path(options.root).expanduser() / "cifar-10-batches-py", train=split == "train")
+
+
+def dataset_size(options: DataOptions) -> Optional[int]:
+    """Training set length without decoding anything (for preflight); None if unknown."""
+    if isinstance(options, SyntheticData):
+        return options.num_samples
+    if isinstance(options, ImageFolderData):
+        root = Path(options.root).expanduser()
+        return len(scan_imagefolder(root)[1]) if root.is_dir() else 0
+    if isinstance(options, Cifar10Data):
+        return 50000
+    return None
+
+
+# --------------------------------------------------------------------------- loader
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start part-way into an epoch, so a resumed run sees exactly the
+    batches the interrupted one had not yet seen. `start_at` applies to the next iteration only."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def start_at(self, samples: int) -> None:
+        self.skip = samples
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size: int, seed: int,
+                train: bool, pin_memory: bool) -> DataLoader:
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                          shuffle=options.shuffle and train, seed=seed, drop_last=False)
+    workers = options.num_workers
+    return DataLoader(
+        dataset, batch_size=options.batch_size, sampler=sampler, num_workers=workers,
+        pin_memory=pin_memory, drop_last=options.drop_last if train else False,
+        prefetch_factor=options.prefetch_factor if workers else None,
+        persistent_workers=options.persistent_workers and workers > 0,
+        generator=torch.Generator().manual_seed(seed * 7919 + rank),
+    )
+
+
+def build_datasets(options: DataOptions, seed: int) -> tuple[Dataset, Optional[Dataset]]:
+    from .. import registry
+
+    build = registry.component(options)
+    return build(options, split="train", seed=seed), build(options, split="eval", seed=seed)

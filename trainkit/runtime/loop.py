@@ -1,0 +1,172 @@
+"""The training loop: accumulation, clipping, precision, evaluation, checkpoints, metrics.
+
+It talks to the model only through a Strategy and a Precision, so it has no branch on either.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..recipe.schema import Recipe
+
+
+@dataclass
+class TrainState:
+    """Everything about progress that a checkpoint must restore (besides model/optimizer/RNG)."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches of this rank already consumed in `epoch`
+    samples: int = 0  # global samples trained on
+    skipped_images: int = 0  # unreadable images replaced (this rank)
+
+
+@dataclass
+class Loop:
+    recipe: Recipe
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    strategy: object
+    precision: object
+    train_loader: torch.utils.data.DataLoader
+    eval_loader: Optional[torch.utils.data.DataLoader]
+    checkpointer: object
+    device: torch.device
+    state: TrainState = field(default_factory=TrainState)
+    sinks: list = field(default_factory=list)  # rank 0 only: objects with log(metrics, step)
+    progress: object = None
+    step_hooks: list[Callable[[int], None]] = field(default_factory=list)
+    loss_fn: nn.Module = field(default_factory=nn.CrossEntropyLoss)
+
+    # ------------------------------------------------------------------ data
+    def batches(self) -> Iterator:
+        """Micro-batches forever, epoch after epoch, starting where `state` says."""
+        sampler = self.train_loader.sampler
+        while True:
+            sampler.set_epoch(self.state.epoch)
+            sampler.start_at(self.state.batches_in_epoch * self.train_loader.batch_size)
+            produced = False
+            for batch in self.train_loader:
+                produced = True
+                self.state.batches_in_epoch += 1
+                yield batch
+            if not produced and self.state.batches_in_epoch == 0:
+                raise RuntimeError("the training data yields no batches (batch_size larger than each rank's share "
+                                   "of the dataset with drop_last)")
+            self.state.epoch += 1
+            self.state.batches_in_epoch = 0
+
+    def _to_device(self, batch):
+        x, y = batch[0], batch[1]
+        if len(batch) > 2:
+            self.state.skipped_images += int(batch[2].sum())
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ one optimizer step
+    def train_step(self, data: Iterator) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        accum = self.recipe.trainer.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self._to_device(next(data))
+            sync = self.strategy.no_sync(self.model) if micro < accum - 1 else _null()
+            with sync:
+                with self.precision.autocast():
+                    loss = self.loss_fn(self.model(x), y) / accum
+                self.precision.backward(loss)
+            total += loss.detach().float()
+        self.precision.unscale(self.optimizer)
+        grad_norm = None
+        if self.recipe.trainer.grad_clip:
+            grad_norm = self.strategy.clip_grad_norm(self.model, self.recipe.trainer.grad_clip)
+        self.precision.step(self.optimizer)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
+        for i, batch in enumerate(self.eval_loader):
+            if i >= self.recipe.trainer.eval_steps:
+                break
+            x, y = batch[0].to(self.device), batch[1].to(self.device)
+            with self.precision.autocast():
+                out = self.model(x)
+            sums += torch.stack([nn.functional.cross_entropy(out.float(), y, reduction="sum").double(),
+                                 (out.argmax(1) == y).sum().double(), torch.tensor(float(len(y)), device=self.device,
+                                                                                   dtype=torch.float64)])
+        self.model.train()
+        sums = self.strategy.all_reduce_sum(sums)
+        n = max(sums[2].item(), 1.0)
+        return {"eval_loss": sums[0].item() / n, "eval_accuracy": sums[1].item() / n}
+
+    # ------------------------------------------------------------------ the loop
+    def trainer_state(self) -> dict:
+        return {"progress": asdict(self.state), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.state_dict()}
+
+    def load_trainer_state(self, saved: dict) -> None:
+        self.state = TrainState(**saved["progress"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.precision.load_state_dict(saved["scaler"])
+
+    def run(self) -> dict:
+        t = self.recipe.trainer
+        global_batch = self.recipe.data.batch_size * self.strategy.world_size * t.grad_accum_steps
+        start_step, t0 = self.state.step, time.perf_counter()
+        last_ckpt: Optional[Path] = None
+        metrics: dict = {}
+        data = self.batches()
+        self.model.train()
+        while self.state.step < t.max_steps:
+            loss, grad_norm = self.train_step(data)
+            self.state.step += 1
+            self.state.samples += global_batch
+            step = self.state.step
+            if self.progress:
+                self.progress.update(step, loss.item())
+            last = step == t.max_steps
+            if step % t.log_every == 0 or last or (t.eval_every and step % t.eval_every == 0):
+                metrics = {"loss": self.strategy.all_reduce_mean(loss).item(),
+                           "lr": self.optimizer.param_groups[0]["lr"], "epoch": self.state.epoch,
+                           "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
+                if grad_norm is not None:
+                    metrics["grad_norm"] = float(grad_norm)
+                if self.eval_loader is not None and t.eval_every and (step % t.eval_every == 0 or last):
+                    metrics.update(self.evaluate())
+                for sink in self.sinks:
+                    sink.log(metrics, step)
+            if (t.checkpoint.every and step % t.checkpoint.every == 0) or last:
+                last_ckpt = self.checkpointer.save(step, self.model, self.optimizer, self.trainer_state())
+            for hook in self.step_hooks:
+                hook(step)
+        if self.progress:
+            self.progress.close()
+        elapsed = time.perf_counter() - t0
+        skipped = int(self.strategy.all_reduce_sum(torch.tensor(self.state.skipped_images)).item())
+        done = self.state.step - start_step
+        return {
+            "name": self.recipe.name, "steps": self.state.step, "steps_this_launch": done,
+            "final_loss": metrics.get("loss"),
+            "eval": {k: v for k, v in metrics.items() if k.startswith("eval_")},
+            "samples_per_s": done * global_batch / elapsed if elapsed > 0 and done else 0.0,
+            "wall_s": elapsed, "global_batch": global_batch, "world_size": self.strategy.world_size,
+            "skipped_images": skipped,
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+        }
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,170 @@
+"""Runtime checks run before any worker starts (`trainkit run`, `plan`, `validate --deep`).
+
+The schema says a recipe is well-formed; these checks say it can run here: the data exists, the
+model can be built, the batch fits the dataset, and the devices/backends it asks for exist.
+Each check returns Problems located at the recipe line that set the offending value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from .. import registry
+from ..recipe.problems import Problem, did_you_mean
+
+Finding = tuple[tuple, str, str]  # (path, message, severity)
+
+
+def check(resolved) -> list[Problem]:
+    """Every runtime problem of a resolved recipe (errors and warnings)."""
+    recipe = resolved.recipe
+    out: list[Problem] = []
+    for fn in (_data, _model, _batch_fits, _devices, _strategy):
+        for path, message, severity in fn(recipe):
+            out.append(Problem(resolved.locate(path), ".".join(map(str, path)), message, severity))
+    return out
+
+
+# --------------------------------------------------------------------------- data
+def _data(r) -> Iterator[Finding]:
+    from .data import IMAGE_EXTENSIONS, scan_imagefolder
+
+    d = r.data
+    if d.num_workers == 0 and d.prefetch_factor is not None:
+        yield ("data", "prefetch_factor"), "prefetch_factor needs num_workers > 0 (DataLoader rejects it)", "error"
+    if d.num_workers == 0 and d.persistent_workers:
+        yield ("data", "persistent_workers"), "persistent_workers needs num_workers > 0", "warning"
+    if d.name == "imagefolder":
+        for key in ("root", "val_root"):
+            value = getattr(d, key)
+            if value is None:
+                continue
+            root = Path(value).expanduser()
+            if not root.is_dir():
+                yield ("data", key), f"data folder not found: {root} (absolute: {root.resolve()}); " \
+                    f"make a small one with `trainkit data make-imagefolder {value}`", "error"
+                continue
+            classes, samples = scan_imagefolder(root)
+            if not classes:
+                yield ("data", key), f"{root} has no class sub-folders (expected {root}/<class>/<image>)", "error"
+            elif not samples:
+                yield ("data", key), f"{root} has {len(classes)} class folders but no images " \
+                    f"({', '.join(IMAGE_EXTENSIONS)})", "error"
+    elif d.name == "cifar10":
+        folder = Path(d.root).expanduser() / "cifar-10-batches-py"
+        missing = [n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if not (folder / n).is_file()]
+        if missing:
+            yield ("data", "root"), f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} (trainkit never " \
+                f"downloads; unpack cifar-10-python.tar.gz into {Path(d.root).expanduser()})", "error"
+
+
+def _batch_fits(r) -> Iterator[Finding]:
+    from .data import dataset_size
+
+    dp = r.data_parallel_size
+    if dp is None:
+        return
+    n = dataset_size(r.data)
+    if not n:  # unknown, or already reported as missing
+        return
+    per_rank = -(-n // dp)  # DistributedSampler pads each rank's share up to ceil(n / dp)
+    if r.data.drop_last and r.data.batch_size > per_rank:
+        yield ("data", "batch_size"), (
+            f"batch_size {r.data.batch_size} per device x {dp} data-parallel ranks needs "
+            f"{r.data.batch_size * dp} samples per step, but the dataset has only {n} ({per_rank} per rank): "
+            f"with drop_last every epoch has zero batches; use batch_size <= {per_rank}, fewer ranks, "
+            f"or data.drop_last: false"), "error"
+
+
+# --------------------------------------------------------------------------- model
+def _model(r) -> Iterator[Finding]:
+    from .model import factory
+
+    spec = r.model
+    name = spec.name
+    if name.startswith("torchvision."):
+        import torchvision
+
+        known = torchvision.models.list_models(module=torchvision.models)
+        short = name.split(".", 1)[1]
+        if short not in known:
+            hint = did_you_mean(short, known).replace("'", "'torchvision.", 1)
+            yield ("model", "name"), f"torchvision has no classification model '{short}'{hint} " \
+                f"({len(known)} available, e.g. torchvision.resnet18, torchvision.vit_b_16)", "error"
+    else:
+        try:
+            factory(name)
+        except registry.PluginError as exc:
+            yield ("model", "name"), str(exc), "error"
+        except (ImportError, AttributeError) as exc:
+            yield ("model", "name"), f"cannot import model factory '{name}': {type(exc).__name__}: {exc}", "error"
+    if spec.weights and not Path(spec.weights).expanduser().is_file():
+        yield ("model", "weights"), f"weights file not found: {spec.weights} (weights are never downloaded; " \
+            f"give a local state_dict file)", "error"
+
+
+# --------------------------------------------------------------------------- devices and backends
+def _devices(r) -> Iterator[Finding]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if r.precision == "fp16" and not cuda:
+        yield ("precision",), "fp16 needs CUDA (autocast + GradScaler) and no GPU is visible here; " \
+            "use precision: bf16 (fast on CPUs with AMX/avx512_bf16) or fp32", "error"
+    if r.launch.backend == "nccl" and not cuda:
+        yield ("launch", "backend"), "nccl needs CUDA GPUs and none is visible; use backend: gloo (or auto)", "error"
+    uses_cuda = cuda and r.launch.backend != "gloo"
+    if uses_cuda and r.launch.nproc_per_node > torch.cuda.device_count():
+        yield ("launch", "nproc_per_node"), (
+            f"nproc_per_node {r.launch.nproc_per_node} but only {torch.cuda.device_count()} GPU(s) are visible "
+            f"(one process per GPU)"), "error"
+
+
+def _strategy(r) -> Iterator[Finding]:
+    try:
+        registry.component(r.strategy)
+    except Exception as exc:
+        yield ("strategy", "name"), f"strategy '{r.strategy.name}' cannot be loaded here " \
+            f"({type(exc).__name__}: {exc})", "error"
+        return
+    hook = getattr(r.strategy, "comm_hook", "none")
+    import torch
+
+    backend = r.launch.backend if r.launch.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    if hook == "bf16_compress" and backend == "gloo":
+        error = _probe_hook_on_gloo("bf16_compress_hook")
+        if error:
+            yield ("strategy", "comm_hook"), f"bf16_compress does not work on gloo with this torch " \
+                f"({error}); use fp16_compress or none", "error"
+    if hook == "powersgd" and backend == "gloo":
+        yield ("strategy", "comm_hook"), "powersgd on gloo is known to fail or hang with several gradient " \
+            "buckets (pytorch#58467); it is only reliable here for small models", "warning"
+
+
+_PROBE = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = DDP(torch.nn.Linear(4, 2))
+model.register_comm_hook(None, getattr(default_hooks, sys.argv[1]))
+model(torch.ones(2, 4)).sum().backward()
+dist.barrier(); dist.destroy_process_group()
+"""
+
+
+def _probe_hook_on_gloo(name: str) -> str:
+    """Run one backward through a 1-process gloo DDP with the hook (in a child process, so this
+    process never joins a process group); '' if it works, else the error's last line."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, name], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "the probe timed out"
+    if proc.returncode == 0:
+        return ""
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {proc.returncode}"

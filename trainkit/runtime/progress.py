@@ -1,0 +1,54 @@
+"""Rank-0 progress: a live one-line bar on a terminal, plain periodic lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    def __init__(self, max_steps: int, start_step: int, global_batch: int, enabled: bool, stream=None):
+        self.max_steps, self.start_step, self.global_batch = max_steps, start_step, global_batch
+        self.stream = stream or sys.stdout
+        self.enabled = enabled
+        self.tty = enabled and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def rate(self, step: int) -> float:
+        elapsed = time.perf_counter() - self.t0
+        return (step - self.start_step) * self.global_batch / elapsed if elapsed > 0 else 0.0
+
+    def _text(self, step: int, loss: float) -> str:
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (self.max_steps - step) if done else 0.0
+        return (f"step {step}/{self.max_steps}  loss {loss:.4f}  {self.rate(step):.1f} samples/s  "
+                f"ETA {_clock(eta)}")
+
+    def update(self, step: int, loss: float) -> None:
+        """Every step: redraw the bar (terminal only)."""
+        if not self.tty:
+            return
+        width = 24
+        filled = int(width * step / self.max_steps)
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r[{bar}] {self._text(step, loss)}\x1b[K")
+        self.stream.flush()
+
+    def log(self, metrics: dict, step: int) -> None:
+        """At log steps: a plain line (not a terminal); a metrics sink like the others."""
+        if not self.enabled or self.tty:
+            return
+        extra = "".join(f"  {k} {v:.4g}" for k, v in metrics.items()
+                        if k.startswith("eval_") and isinstance(v, float))
+        print(f"trainkit: {self._text(step, metrics.get('loss', float('nan')))}{extra}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

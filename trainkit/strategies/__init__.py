@@ -1,0 +1,1 @@
+"""Parallelism strategies: one file each, all implementing `base.Strategy`."""

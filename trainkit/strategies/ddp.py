@@ -1,0 +1,59 @@
+"""DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in buckets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..recipe.blocks import DDPOptions
+from ..runtime.checkpoint import fsync_save
+from .base import Strategy
+
+
+class DDPStrategy(Strategy):
+    options: DDPOptions
+
+    def setup(self, model: nn.Module, optimizer_factory):
+        model = model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        o = self.options
+        ddp = DDP(model, device_ids=ids, bucket_cap_mb=o.bucket_cap_mb, static_graph=o.static_graph,
+                  gradient_as_bucket_view=o.gradient_as_bucket_view,
+                  find_unused_parameters=o.find_unused_parameters)
+        self._register_hook(ddp)
+        return ddp, optimizer_factory(ddp.parameters())
+
+    def _register_hook(self, ddp: DDP) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        hook = self.options.comm_hook
+        if hook == "fp16_compress":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif hook == "bf16_compress":
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif hook == "powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None,
+                                                matrix_approximation_rank=self.options.powersgd_rank,
+                                                start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return model.no_sync()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Replicas are identical: rank 0 writes one copy."""
+        if self.rank == 0:
+            fsync_save(self.unwrap(model).state_dict(), folder / "model.pt")
+            fsync_save(optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        where = self.device
+        self.unwrap(model).load_state_dict(torch.load(folder / "model.pt", map_location=where, weights_only=True))
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=where, weights_only=True))
