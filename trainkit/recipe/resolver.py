@@ -12,8 +12,9 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, ValidationError
 
@@ -147,7 +148,19 @@ def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str],
     return data
 
 
+def _has_interpolation(value: Any) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(_has_interpolation(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_interpolation(v) for v in value)
+    return False
+
+
 def _interpolate(data: dict, positions: Positions, file: str, problems: list[Problem]) -> dict:
+    if not _has_interpolation(data):
+        return data  # OmegaConf costs ~8 ms per recipe; most recipes don't need it
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -323,9 +336,10 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     problems: list[Problem] = []
     data, positions, files = _compose(path.resolve(), [path.resolve()], problems)
     # report locations relative to what the user typed, not the resolved absolute path
-    positions = {k: _relabel(v, path) for k, v in positions.items()}
-    problems = [Problem(_relabel(p.location, path), p.path, p.message, p.severity) for p in problems]
-    files = [_relabel(Location(f), path).file for f in files]
+    relabel = _display_names(path)
+    positions = {k: relabel(v) for k, v in positions.items()}
+    problems = [Problem(relabel(p.location), p.path, p.message, p.severity) for p in problems]
+    files = [relabel(Location(f)).file for f in files]
     if problems:  # a broken composition makes every later message noise
         raise RecipeError(problems)
     data = _apply_overrides(data, positions, overrides, problems)
@@ -358,17 +372,21 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     return Resolved(recipe=recipe, data=data, positions=positions, files=files)
 
 
-def _relabel(loc: Location, typed: Path) -> Location:
-    """Show file names as the user addressed them (relative to the cwd where possible)."""
-    if loc.override is not None:
-        return loc
-    p = Path(loc.file)
-    name = os.path.relpath(p) if p.is_absolute() else str(p)
-    if name.startswith("../../.."):
-        name = str(p)
-    if p == typed.resolve():
-        name = str(typed)
-    return Location(name, loc.line, loc.col, loc.override)
+def _display_names(typed: Path) -> Callable[[Location], Location]:
+    """Show file names as the user addressed them: the path they typed, others relative to the cwd."""
+    typed_abs = str(typed.resolve())
+
+    @lru_cache(maxsize=None)
+    def name(file: str) -> str:
+        if file == typed_abs:
+            return str(typed)
+        rel = os.path.relpath(file) if os.path.isabs(file) else file
+        return file if rel.startswith("../../..") else rel
+
+    def relabel(loc: Location) -> Location:
+        return loc if loc.override is not None else Location(name(loc.file), loc.line, loc.col)
+
+    return relabel
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:

@@ -23,6 +23,7 @@ MAX_NODES = 20_000  # after alias expansion
 
 Path_ = tuple  # a path into the data: ("trainer", "checkpoint", "every") or ("monitors", 0)
 KEY = "\0key"  # positions[path + (KEY,)] is where the key of `path` was written; positions[path] its value
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: same nodes and marks, 10x faster
 _ALLOWED_TAGS = {
     "tag:yaml.org,2002:" + t for t in ("str", "int", "float", "bool", "null", "map", "seq")
 }
@@ -109,7 +110,7 @@ def load_yaml(path: Path) -> tuple[dict[str, Any], dict[Path_, Location]]:
 
 def load_yaml_text(text: str, file: str) -> tuple[dict[str, Any], dict[Path_, Location]]:
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_LOADER)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
