@@ -220,3 +220,11 @@ def test_bad_user_input_never_prints_a_traceback(tmp_path):
         res = cli(*args)
         assert res.returncode == 2, (args, res.returncode, res.stderr)
         assert "Traceback" not in res.stderr, args
+
+
+def test_reference_docs_are_generated_from_the_schema():
+    """docs/reference.md must equal `trainkit schema --markdown` (regenerate it when the schema changes)."""
+    res = cli("schema", "--markdown")
+    assert res.returncode == 0
+    assert (REPO / "docs" / "reference.md").read_text() == res.stdout, \
+        "docs/reference.md is stale: run `trainkit schema --markdown > docs/reference.md`"

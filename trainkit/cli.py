@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema (for editor autocompletion)")
+    p.add_argument("--markdown", action="store_true", help="print the recipe reference (docs/reference.md) instead")
+    p.add_argument("--all", action="store_true", help="with --markdown: include installed third-party plugins")
     p.set_defaults(func=cmd_schema)
 
     p = sub.add_parser("plan", help="print the resolved recipe, what it implies, and the torchrun command")
@@ -97,6 +99,11 @@ def _deep_problems(resolved) -> list:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    if args.markdown:
+        from .recipe.reference import reference_markdown
+
+        print(reference_markdown(builtin_only=not args.all))
+        return EXIT_OK
     import json
 
     from .recipe.json_schema import recipe_json_schema

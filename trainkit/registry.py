@@ -31,9 +31,15 @@ def _entry_points(kind: str) -> dict[str, Any]:
     return found
 
 
-def names(kind: str) -> list[str]:
-    """Registered plugin names of one kind, sorted."""
-    return sorted(_entry_points(kind))
+def names(kind: str, builtin_only: bool = False) -> list[str]:
+    """Registered plugin names of one kind, sorted (optionally only trainkit's own)."""
+    eps = _entry_points(kind)
+    return sorted(n for n, ep in eps.items() if not builtin_only or _distribution(ep) == "trainkit")
+
+
+def _distribution(ep: Any) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else ""
 
 
 @lru_cache(maxsize=None)
