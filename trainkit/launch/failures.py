@@ -39,19 +39,28 @@ def _exception(failure) -> tuple[str, list[str]]:
         return f"exited with code {failure.exitcode} without a Python exception (e.g. os._exit or a crash)", []
 
 
+def _rank_folder(log_dir: Path, local_rank: int):
+    """LOG_DIR/<run id>_*/attempt_<last>/<local rank>/ of the newest launch (torchelastic's layout)."""
+    launches = sorted((p for p in log_dir.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    if not launches:
+        return None
+    attempts = sorted(launches[-1].glob("attempt_*"), key=lambda p: int(p.name.split("_")[-1]))
+    return attempts[-1] / str(local_rank) if attempts else None
+
+
 def summarize(err, log_dir: Path, max_restarts: int) -> str:
     """The failure report printed when restarts are exhausted."""
     def order(item):
         rank, f = item
         text, _ = _exception(f)
-        return (f.timestamp, any(c in text for c in COLLATERAL), rank)
+        return (any(c in text for c in COLLATERAL), f.timestamp, rank)  # a peer-death error is a symptom
 
     rank, first = sorted(err.failures.items(), key=order)[0]
     text, trace = _exception(first)
     lines = [f"trainkit: training failed ({max_restarts} restart(s) allowed, all used): "
              f"rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first",
              f"  error: {text}"]
-    folder = Path(first.error_file).parent if first.error_file else None
+    folder = _rank_folder(log_dir, first.local_rank)
     log = None
     if folder is not None:
         for name in ("stderr.log", "stdout.log"):

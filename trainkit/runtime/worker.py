@@ -134,12 +134,17 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     if summary["checkpoint"] is None and source is not None:
         summary["checkpoint"] = str(source)
     summary["resumed_from"] = str(source) if source else None
+    digests = strategy.replica_digests(model)
+    summary["replicas_identical"] = len(set(digests)) == 1
+    summary["replica_digests"] = digests
     strategy.teardown()
     return summary
 
 
 def report(run_dir: Path, summary: dict) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if not summary.get("replicas_identical", True):
+        print("trainkit: warning: model replicas differ across ranks at the end of training", file=sys.stderr)
     loss = summary["final_loss"]
     acc = summary["eval"].get("eval_accuracy")
     print(f"trainkit: done: {summary['steps']} steps, final loss "
@@ -149,6 +154,23 @@ def report(run_dir: Path, summary: dict) -> None:
           + (f", {summary['skipped_images']} unreadable images skipped" if summary["skipped_images"] else "")
           + f"\ntrainkit: checkpoint: {summary['checkpoint']}\ntrainkit: summary: {run_dir / 'summary.json'}",
           flush=True)
+
+
+def _fail(exc: Exception) -> None:
+    """Record the exception in torchelastic's error file (what the launcher's report reads), then
+    exit 1. Local rank 0 shares the user's console: one line there instead of a traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        get_error_handler().record_exception(exc)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        rank = os.environ.get("RANK", "0")
+        print(f"trainkit: rank {rank} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(1)
+    raise exc
 
 
 @record
@@ -172,6 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if dist.get_rank() == 0:
             report(run_dir, summary)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
+    except Exception as exc:
+        _fail(exc)
     except StopRequested as stop:
         print(f"trainkit: rank {dist.get_rank()} stopping on {stop}", file=sys.stderr, flush=True)
         if argv is None:

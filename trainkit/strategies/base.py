@@ -61,6 +61,20 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def replica_digests(self, model: nn.Module) -> list[str]:
+        """sha256 of each rank's parameters (replicas must agree): a cheap end-of-run sanity check."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for p in self.unwrap(model).parameters():
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        digests = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(digests, h.hexdigest())
+        else:
+            digests = [h.hexdigest()]
+        return digests
+
     # ---- checkpoints: the strategy writes/reads the model and optimizer files in a checkpoint folder
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
