@@ -49,6 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("runs", help="list recent runs in the MLflow store")
+    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.add_argument("--experiment", help="only this experiment")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("compare", help="side-by-side table of runs: differing params, final/best metrics")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run ids (or unique prefixes) or run names")
+    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("ui", help="start the MLflow UI on the tracking store (loopback by default)")
+    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    p.set_defaults(func=cmd_ui)
+
+    p = sub.add_parser("sync", help="deliver a run's spooled tracking records (after a server outage)")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=cmd_sync)
+
     p = sub.add_parser("data", help="data helpers")
     data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     m = data_sub.add_parser("make-imagefolder", help="write a small synthetic ImageFolder of real image files")
@@ -141,6 +162,49 @@ def cmd_make_imagefolder(args: argparse.Namespace) -> int:
 
     root = make_imagefolder(args.root, classes=args.classes, per_class=args.per_class, size=args.size, seed=args.seed)
     print(f"wrote {args.classes} classes x {args.per_class} images of {args.size}px to {root}")
+    return EXIT_OK
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from .tracking.browse import list_runs
+
+    print(list_runs(args.uri, args.experiment, args.limit))
+    return EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .tracking.browse import compare
+
+    try:
+        print(compare(args.runs, args.uri))
+    except LookupError as exc:
+        print(f"trainkit: {exc.args[0]}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from .tracking.browse import ui
+
+    return ui(args.uri, args.host, args.port)
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .tracking.delivery import deliver
+    from .tracking.spool import Spool
+
+    spool = Spool(Path(args.run_dir))
+    if not spool.path.exists():
+        print(f"trainkit: {args.run_dir} has no tracking spool (tracking/spool.jsonl)", file=sys.stderr)
+        return EXIT_INVALID
+    pending, error = deliver(Path(args.run_dir))
+    state = spool.state()
+    if pending:
+        print(f"trainkit: {pending} record(s) still pending: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"trainkit: all tracking records delivered to run {state.get('run_id')} in {state.get('uri')}")
     return EXIT_OK
 
 

@@ -1,0 +1,55 @@
+"""The tracking spool delivers every record to MLflow once, in order, and keeps what it cannot send."""
+
+import socket
+import time
+
+from mlflow.tracking import MlflowClient
+
+from trainkit.tracking.delivery import deliver
+from trainkit.tracking.run import MAX_PARAM, flatten
+from trainkit.tracking.spool import Spool
+
+
+def test_flatten_gives_stable_dotted_keys_and_keeps_long_values_visible():
+    flat = flatten({"trainer": {"checkpoint": {"every": 5}}, "monitors": [{"name": "system"}, {"name": "gpu"}],
+                    "shape": [3, 32, 32], "tags": {}, "long": "x" * (MAX_PARAM + 10)})
+    assert flat["trainer.checkpoint.every"] == "5"
+    assert flat["monitors.1.name"] == "gpu"
+    assert flat["shape"] == "[3, 32, 32]"
+    assert flat["tags"] == "{}"
+    assert len(flat["long"]) <= MAX_PARAM and flat["long"].endswith("[truncated: see recipe.yaml artifact]")
+
+
+def _spool_run(run_dir, uri, points):
+    spool = Spool(run_dir)
+    spool.append([{"op": "create", "uri": uri, "experiment": "spool-test", "run_name": "r", "ts": 1,
+                   "tags": {"strategy": "ddp"}},
+                  {"op": "params", "params": {"a.b": "1"}}])
+    spool.append([{"op": "metric", "key": "loss", "value": 1.0 / (s + 1), "ts": 1000 + s, "step": s}
+                  for s in range(points)])
+    spool.append([{"op": "status", "status": "FINISHED", "ts": 2}])
+    return spool
+
+
+def test_batched_delivery_to_the_embedded_store_is_exactly_once_and_ordered(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spool = _spool_run(tmp_path / "run", uri, 2500)  # 3 log_batch calls of <= 1000 points
+    assert deliver(tmp_path / "run") == (0, None)
+    assert deliver(tmp_path / "run") == (0, None)  # nothing is sent twice
+    client = MlflowClient(uri)
+    run = client.get_run(spool.state()["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params == {"a.b": "1"} and run.data.tags["strategy"] == "ddp"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert steps == list(range(2500))
+
+
+def test_unreachable_server_keeps_everything_in_the_spool(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    spool = _spool_run(tmp_path / "run", f"http://127.0.0.1:{port}", 10)
+    start = time.monotonic()
+    pending, error = deliver(tmp_path / "run")
+    assert time.monotonic() - start < 30
+    assert pending == 13 and error
+    assert spool.pending_count() == 13 and "run_id" not in spool.state()

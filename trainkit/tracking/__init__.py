@@ -1,0 +1,1 @@
+"""MLflow tracking: one run per job, spooled locally first so no metric is ever lost."""

@@ -1,0 +1,103 @@
+"""`trainkit runs`, `trainkit compare`, `trainkit ui`: reading runs back from the MLflow store."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from .delivery import client_for, default_uri
+
+SUMMARY_METRICS = ("loss", "eval_loss", "eval_accuracy", "samples_per_s", "step_time_s")
+LOWER_IS_BETTER = ("loss", "eval_loss", "step_time_s")
+
+
+def _fmt_time(ms: Optional[int]) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M") if ms else "-"
+
+
+def _duration(run) -> str:
+    if not run.info.end_time:
+        return "-"
+    return f"{(run.info.end_time - run.info.start_time) / 1000:.0f}s"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _all_experiment_ids(client) -> list[str]:
+    return [e.experiment_id for e in client.search_experiments()]
+
+
+def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit: int = 20) -> str:
+    uri = uri or default_uri()
+    client = client_for(uri)
+    if experiment:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return f"no experiment named '{experiment}' in {uri}"
+        ids = [exp.experiment_id]
+    else:
+        ids = _all_experiment_ids(client)
+    runs = client.search_runs(ids, max_results=limit, order_by=["attributes.start_time DESC"]) if ids else []
+    if not runs:
+        return f"no runs in {uri}"
+    rows = [["run id", "name", "status", "started", "wall", "strategy", "final loss", "samples/s"]]
+    for r in runs:
+        m = r.data.metrics
+        rows.append([r.info.run_id[:12], r.info.run_name or "", r.info.status, _fmt_time(r.info.start_time),
+                     _duration(r), r.data.tags.get("strategy", "-"),
+                     f"{m['loss']:.4f}" if "loss" in m else "-",
+                     f"{m['samples_per_s']:.1f}" if "samples_per_s" in m else "-"])
+    return f"{uri}\n" + _table(rows)
+
+
+def _find_run(client, ids: list[str], prefix: str):
+    if len(prefix) == 32:
+        return client.get_run(prefix)
+    for run in client.search_runs(ids, max_results=5000):
+        if run.info.run_id.startswith(prefix) or run.info.run_name == prefix:
+            return run
+    raise LookupError(f"no run matches '{prefix}'")
+
+
+def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "http://127.0.0.1:5000") -> str:
+    """Side by side: params that differ, final and best metrics, throughput, wall time."""
+    uri = uri or default_uri()
+    client = client_for(uri)
+    ids = _all_experiment_ids(client)
+    runs = [_find_run(client, ids, ref) for ref in run_refs]
+    header = ["", *[f"{r.info.run_name} ({r.info.run_id[:8]})" for r in runs]]
+    rows = [header, ["status", *[r.info.status for r in runs]], ["wall", *[_duration(r) for r in runs]]]
+    keys = sorted(set().union(*(r.data.params for r in runs)))
+    differing = [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
+    for k in differing:
+        rows.append([k, *[r.data.params.get(k, "-") for r in runs]])
+    metric_keys = [k for k in SUMMARY_METRICS if any(k in r.data.metrics for r in runs)]
+    for k in metric_keys:
+        rows.append([f"{k} (final)", *[f"{r.data.metrics[k]:.4g}" if k in r.data.metrics else "-" for r in runs]])
+        best = []
+        for r in runs:
+            hist = client.get_metric_history(r.info.run_id, k) if k in r.data.metrics else []
+            vals = [m.value for m in hist]
+            best.append(f"{(min(vals) if k in LOWER_IS_BETTER else max(vals)):.4g}" if vals else "-")
+        rows.append([f"{k} (best)", *best])
+    exp = runs[0].info.experiment_id
+    link = f"{ui_url}/#/compare-runs?runs=[{','.join(repr(r.info.run_id) for r in runs)}]&experiments=[\"{exp}\"]"
+    note = "" if differing else "\n(no params differ)"
+    return _table(rows) + note + f"\n\nMLflow UI (start it with `trainkit ui`): {link.replace(chr(39), chr(34))}"
+
+
+def ui(uri: Optional[str] = None, host: str = "127.0.0.1", port: int = 5000) -> int:
+    uri = uri or default_uri()
+    print(f"MLflow UI for {uri}: http://{host}:{port}  (Ctrl-C to stop)", flush=True)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0

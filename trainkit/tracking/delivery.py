@@ -1,0 +1,178 @@
+"""Deliver spooled records to MLflow, in order, exactly once.
+
+Batched (`log_batch`: up to 1000 metric points or 100 params/tags per call) and off the training
+thread (`BackgroundDelivery`). A call that fails may or may not have reached the server; the next
+attempt then drops the points the run already has, so a flaky server never duplicates a point.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .spool import Spool
+
+# Fail fast instead of MLflow's default minutes of retries: the spool keeps what fails.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+MAX_METRICS, MAX_PARAMS_TAGS = 1000, 100
+
+
+def default_uri() -> str:
+    """MLFLOW_TRACKING_URI, else the embedded SQLite store in the current folder (MLflow's default)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def artifact_root_for(uri: str) -> Optional[str]:
+    """A local SQLite store keeps artifacts beside the database, wherever the job was started."""
+    if uri.startswith("sqlite:///"):
+        return str(Path(uri[len("sqlite:///"):]).parent / "mlartifacts")
+    return None
+
+
+def client_for(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def ensure_experiment(client, name: str, uri: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_root_for(uri))
+    except Exception:
+        exp = client.get_experiment_by_name(name)  # another process created it meanwhile
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def deliver(run_dir: Path) -> tuple[int, Optional[str]]:
+    """Send what is pending. Returns (records still pending, error text or None)."""
+    spool = Spool(run_dir)
+    with spool.delivery_lock() as mine:
+        if not mine:
+            return spool.pending_count(), None  # another process is delivering right now
+        state = spool.state()
+        records = spool.records(state.get("delivered", 0))
+        if not records:
+            return 0, None
+        uri = state.get("uri") or next((r["uri"] for r in spool.records() if r["op"] == "create"), default_uri())
+        try:
+            client = client_for(uri)
+        except Exception as exc:  # pragma: no cover - bad URI scheme
+            return len(records), f"{type(exc).__name__}: {exc}"
+        i = 0
+        while i < len(records):
+            n = _chunk_length(records, i)
+            try:
+                _send(client, uri, state, records[i:i + n])
+            except Exception as exc:
+                state["uncertain"] = True
+                spool.save_state(state)
+                return len(records) - i, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            i += n
+            state["delivered"] = state.get("delivered", 0) + n
+            state["uncertain"] = False
+            spool.save_state(state)
+        return 0, None
+
+
+def _chunk_length(records: list[dict], i: int) -> int:
+    """How many consecutive records of the same kind go in one call."""
+    op = records[i]["op"]
+    if op == "metric":
+        n = 1
+        while i + n < len(records) and records[i + n]["op"] == "metric" and n < MAX_METRICS:
+            n += 1
+        return n
+    if op in ("params", "tags"):
+        n, entries = 1, len(records[i][op])
+        while i + n < len(records) and records[i + n]["op"] in ("params", "tags") \
+                and entries + len(records[i + n][records[i + n]["op"]]) <= MAX_PARAMS_TAGS:
+            entries += len(records[i + n][records[i + n]["op"]])
+            n += 1
+        return n
+    return 1
+
+
+def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
+    from mlflow.entities import Metric, Param, RunTag
+
+    op = chunk[0]["op"]
+    if op == "create":
+        if not state.get("run_id"):
+            r = chunk[0]
+            exp_id = ensure_experiment(client, r["experiment"], uri)
+            run = client.create_run(exp_id, run_name=r["run_name"], tags=r.get("tags") or {},
+                                    start_time=r.get("ts"))
+            state.update(run_id=run.info.run_id, experiment_id=exp_id, uri=uri)
+        return
+    run_id = state["run_id"]
+    if op == "metric":
+        points = [Metric(r["key"], float(r["value"]), int(r["ts"]), int(r["step"])) for r in chunk]
+        if state.get("uncertain"):
+            points = _not_yet_logged(client, run_id, points)
+        if points:
+            client.log_batch(run_id, metrics=points, synchronous=True)
+    elif op in ("params", "tags"):
+        params = [Param(k, v) for r in chunk if r["op"] == "params" for k, v in r["params"].items()]
+        tags = [RunTag(k, v) for r in chunk if r["op"] == "tags" for k, v in r["tags"].items()]
+        client.log_batch(run_id, params=params, tags=tags, synchronous=True)
+    elif op == "artifact":
+        path = Path(chunk[0]["path"])
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), chunk[0].get("dir"))
+        elif path.is_file():
+            client.log_artifact(run_id, str(path), chunk[0].get("dir"))
+    elif op == "status":
+        if chunk[0]["status"] == "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+        else:
+            client.set_terminated(run_id, chunk[0]["status"], end_time=chunk[0].get("ts"))
+
+
+def _not_yet_logged(client, run_id: str, points: list) -> list:
+    seen: dict[str, set] = {}
+    for key in {p.key for p in points}:
+        seen[key] = {(m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, key)}
+    return [p for p in points if (p.step, p.timestamp, p.value) not in seen[p.key]]
+
+
+class BackgroundDelivery:
+    """A daemon thread that delivers the spool every `interval` seconds (and when kicked)."""
+
+    def __init__(self, run_dir: Path, interval: float = 2.0):
+        self.run_dir, self.interval = Path(run_dir), interval
+        self.last_error: Optional[str] = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="trainkit-mlflow", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            _, self.last_error = deliver(self.run_dir)
+
+    def close(self, timeout: float = 10.0) -> int:
+        """Stop the thread after one last attempt; returns the records still pending."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        pending, self.last_error = deliver(self.run_dir)
+        while pending and self.last_error is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the thread was mid-delivery; wait for it
+            pending, self.last_error = deliver(self.run_dir)
+        return pending

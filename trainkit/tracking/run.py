@@ -1,0 +1,156 @@
+"""One MLflow run per job: opened by the launcher, fed by rank 0, closed by the launcher.
+
+The launcher spools the run's creation, params and tags and delivers them before any worker starts
+(which also creates a fresh SQLite store once, before several processes could race on it). Rank 0
+spools metric points (`MlflowSink`); the launcher alone sets the final status. After an elastic
+restart or a `resume: auto` launch, the same run continues: its id lives in RUN_DIR/tracking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .spool import Spool
+
+MAX_PARAM = 6000  # MLflow's limit on a param value
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, str]:
+    """Resolved recipe -> stable dotted keys (`trainer.checkpoint.every`, `monitors.0.name`)."""
+    out: dict[str, str] = {}
+    if isinstance(data, dict) and data:
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(data, list) and data and any(isinstance(v, (dict, list)) for v in data):
+        for i, v in enumerate(data):
+            out.update(flatten(v, f"{prefix}.{i}"))
+    else:
+        text = json.dumps(data) if isinstance(data, (list, dict)) else str(data)
+        if len(text) > MAX_PARAM:  # kept, visibly cut; the whole recipe is an artifact
+            suffix = " ...[truncated: see recipe.yaml artifact]"
+            text = text[: MAX_PARAM - len(suffix)] + suffix
+        out[prefix] = text
+    return out
+
+
+def _git_commit(folder: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_tags(recipe, environment: dict) -> dict[str, str]:
+    from .. import __version__
+
+    tags = {
+        "trainkit.version": __version__, "strategy": recipe.strategy.name, "precision": recipe.precision,
+        "world_size": str(recipe.world_size), "nodes": str(recipe.launch.nnodes),
+        "hostname": socket.gethostname(), "platform": platform.platform(),
+        "torch": str(environment.get("torch")), "cuda": str(environment.get("cuda")),
+        "gpu": ", ".join(environment.get("gpus") or []) or "none",
+        "mlflow.source.name": "trainkit run", "mlflow.source.type": "JOB",
+    }
+    for extra in ("nccl", "deepspeed", "torchvision"):
+        if environment.get(extra):
+            tags[extra] = str(environment[extra])
+    commit = _git_commit(os.getcwd())
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Optional[str]:
+    """Spool the run's creation (first launch) or its continuation, then try to deliver now.
+
+    Returns a one-line description of where tracking goes, or None when tracking is disabled.
+    """
+    from .delivery import default_uri, deliver
+
+    recipe = resolved.recipe
+    if not recipe.tracking.enabled:
+        return None
+    spool = Spool(run_dir)
+    first = not any(r["op"] == "create" for r in spool.records())
+    uri = recipe.tracking.uri or default_uri()
+    records: list[dict] = []
+    if first:
+        records.append({"op": "create", "uri": uri, "experiment": recipe.tracking.experiment,
+                        "run_name": recipe.tracking.run_name or recipe.name, "ts": _now_ms(),
+                        "tags": run_tags(recipe, environment)})
+        records.append({"op": "params", "params": flatten(resolved.data)})
+    else:
+        records.append({"op": "status", "status": "RUNNING", "ts": _now_ms()})
+        records.append({"op": "tags", "tags": {"trainkit.last_launch": launch_dir.name}})
+    spool.append(records)
+    pending, error = deliver(run_dir)
+    state = spool.state()
+    where = f"MLflow {state.get('uri', uri)}"
+    if state.get("run_id"):
+        where += f", experiment '{recipe.tracking.experiment}', run {state['run_id']}" + ("" if first else " (continued)")
+    if error:
+        where += f" (unreachable now: {error}; {pending} record(s) kept in {spool.path}, delivered later)"
+    return where
+
+
+def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str, timeout: float = 30.0) -> str:
+    """Spool the artifacts and the final status, deliver, and say what happened."""
+    from .delivery import deliver
+
+    spool = Spool(run_dir)
+    if not spool.records():
+        return ""
+    records = [{"op": "artifact", "path": str(p), "dir": d} for p, d in (
+        (run_dir / "recipe.yaml", None), (launch_dir / "command.txt", f"launches/{launch_dir.name}"),
+        (launch_dir / "environment.json", f"launches/{launch_dir.name}"), (run_dir / "summary.json", None),
+        (launch_dir / "failure.txt", f"launches/{launch_dir.name}"), (run_dir / "reports", "reports"),
+        (run_dir / "profiler", "profiler"),
+    ) if p.exists()]
+    records.append({"op": "tags", "tags": {"trainkit.status_reason": reason[:5000]}})
+    records.append({"op": "status", "status": status, "ts": _now_ms()})
+    spool.append(records)
+    deadline = time.monotonic() + timeout
+    pending, error = deliver(run_dir)
+    while pending and time.monotonic() < deadline:
+        time.sleep(1.0)
+        pending, error = deliver(run_dir)
+    state = spool.state()
+    if pending:
+        return (f"tracking: {pending} record(s) not yet delivered ({error}); they are kept in {spool.path}: "
+                f"run `trainkit sync {run_dir}` when the server is back")
+    return f"tracking: run {state.get('run_id')} {status} in {state.get('uri')}"
+
+
+class MlflowSink:
+    """Rank 0's metric sink: spool each logged step, deliver in the background."""
+
+    def __init__(self, run_dir: Path, interval: float = 2.0):
+        from .delivery import BackgroundDelivery
+
+        self.spool = Spool(run_dir)
+        self.delivery = BackgroundDelivery(run_dir, interval)
+
+    def log(self, metrics: dict, step: int) -> None:
+        ts = _now_ms()
+        self.spool.append([{"op": "metric", "key": k, "value": float(v), "ts": ts, "step": int(step)}
+                           for k, v in metrics.items() if isinstance(v, (int, float))])
+        self.delivery.kick()
+
+    def close(self) -> None:
+        self.delivery.close(timeout=10.0)  # what is left is delivered by the launcher or `trainkit sync`
+
+
+def enabled(run_dir: Path) -> bool:
+    return Spool(run_dir).path.exists()

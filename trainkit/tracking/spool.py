@@ -1,0 +1,90 @@
+"""The tracking spool: every param, tag, metric point, artifact and status change of a run is first
+appended (and fsynced) to RUN_DIR/tracking/spool.jsonl, then delivered to MLflow in order.
+
+So nothing is lost when the tracking server is down at start or goes away mid-run: records wait
+in the spool and are delivered when it returns, at the end of the run, or by `trainkit sync`.
+`state.json` remembers the MLflow run id and how many records were delivered.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+
+class Spool:
+    def __init__(self, run_dir: Path):
+        self.folder = Path(run_dir) / "tracking"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / "spool.jsonl"
+        self.state_path = self.folder / "state.json"
+
+    # ---- writing (any process; appends are atomic lines under an exclusive lock)
+    def append(self, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+        with self._locked("append"):
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    # ---- reading / delivery bookkeeping
+    def records(self, start: int = 0) -> list[dict[str, Any]]:
+        """Complete records from index `start` (a torn last line from a crash is ignored)."""
+        if not self.path.exists():
+            return []
+        out = []
+        with open(self.path, "rb") as fh:
+            for i, line in enumerate(fh):
+                if i < start:
+                    continue
+                if not line.endswith(b"\n"):
+                    break
+                out.append(json.loads(line))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return {"delivered": 0}
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        with open(tmp, "w") as fh:
+            json.dump(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.state_path)
+
+    def pending_count(self) -> int:
+        return max(0, len(self.records()) - self.state().get("delivered", 0))
+
+    @contextmanager
+    def _locked(self, name: str, blocking: bool = True) -> Iterator[bool]:
+        fd = os.open(self.folder / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def delivery_lock(self):
+        """Only one process delivers at a time (non-blocking: yields False if another one is)."""
+        return self._locked("deliver", blocking=False)
+
+
+def run_id(run_dir: Path) -> Optional[str]:
+    return Spool(run_dir).state().get("run_id")
