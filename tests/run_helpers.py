@@ -65,8 +65,9 @@ def mlp_recipe(tmp: Path, name: str, **sections) -> Path:
         "tracking": {"enabled": False},
     }
     for key, value in sections.items():
-        if isinstance(value, dict):
-            recipe[key] = {**recipe.get(key, {}), **value}
+        base = recipe.get(key)
+        if isinstance(value, dict) and isinstance(base, dict) and value.get("name", base.get("name")) == base.get("name"):
+            recipe[key] = {**base, **value}
         else:
             recipe[key] = value
     path = tmp / f"{name}.yaml"
