@@ -1,0 +1,28 @@
+"""README's two commands are the contract with a new user and with CI: keep them true."""
+
+import re
+
+from conftest import REPO
+
+
+def readme_commands() -> list[str]:
+    return re.findall(r"```sh\n(.+?)\n```", (REPO / "README.md").read_text())[:2]
+
+
+def test_readme_opens_with_the_run_and_the_test_command():
+    run, test = readme_commands()
+    assert run.startswith("python3 -m venv .venv") and "trainkit run recipes/" in run
+    assert test.startswith("python3 -m venv .venv") and "pytest" in test
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (REPO / ".ci" / "run").read_text()
+    assert readme_commands()[1] in ci
+
+
+def test_the_main_job_recipe_exists_and_its_data_command_matches_it():
+    run = readme_commands()[0]
+    recipe = re.search(r"trainkit run (\S+)", run).group(1)
+    assert (REPO / recipe).is_file()
+    root = re.search(r"make-imagefolder (\S+)", run).group(1)
+    assert f"root: {root}" in (REPO / recipe).read_text()
