@@ -26,17 +26,15 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 # --------------------------------------------------------------------------- synthetic
 class SyntheticDataset(Dataset):
-    """Sample i is generated from (seed, i) alone, so every rank and every resume sees the same data.
+    """Sample i is generated from (seed, start + i) alone, so every rank and every resume sees the
+    same data. Inputs are noise plus a per-class channel offset (fixed by the seed), so a model can
+    learn the labels; the eval split uses the same classes with fresh samples (start > 0)."""
 
-    Inputs are noise plus a per-class channel offset, so a model can actually learn the labels.
-    """
-
-    def __init__(self, num_samples: int, shape: list[int], num_classes: int, seed: int, sleep_ms: float = 0.0):
+    def __init__(self, num_samples: int, shape: list[int], num_classes: int, seed: int, sleep_ms: float = 0.0,
+                 start: int = 0):
         self.num_samples, self.shape, self.num_classes = num_samples, tuple(shape), num_classes
-        self.seed, self.sleep_s = seed, sleep_ms / 1000.0
-        g = torch.Generator().manual_seed(seed)
-        self.labels = torch.randint(0, num_classes, (num_samples,), generator=g)
-        self.offsets = torch.randn(num_classes, self.shape[0], generator=g)
+        self.seed, self.sleep_s, self.start = seed, sleep_ms / 1000.0, start
+        self.offsets = torch.randn(num_classes, self.shape[0], generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return self.num_samples
@@ -44,17 +42,18 @@ class SyntheticDataset(Dataset):
     def __getitem__(self, i: int):
         if self.sleep_s:
             time.sleep(self.sleep_s)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.start + int(i))
+        label = torch.randint(0, self.num_classes, (), generator=g)
         x = torch.randn(self.shape, generator=g)
-        label = self.labels[i]
         offset = self.offsets[label].reshape((-1,) + (1,) * (len(self.shape) - 1))
         return x + offset, label
 
 
 def build_synthetic(options: SyntheticData, *, split: str, seed: int) -> Dataset:
-    n = options.num_samples if split == "train" else max(options.batch_size, options.num_samples // 10)
-    return SyntheticDataset(n, options.shape, options.num_classes, seed if split == "train" else seed + 1,
-                            options.sleep_ms)
+    if split == "train":
+        return SyntheticDataset(options.num_samples, options.shape, options.num_classes, seed, options.sleep_ms)
+    n = max(options.batch_size, options.num_samples // 10)
+    return SyntheticDataset(n, options.shape, options.num_classes, seed, options.sleep_ms, start=options.num_samples)
 
 
 # --------------------------------------------------------------------------- imagefolder
