@@ -69,12 +69,15 @@ def _environment() -> dict:
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("CUDA_", "NCCL_", "OMP_", "TORCH_", "MASTER_", "TRAINKIT_"))},
     }
-    try:
-        import torchvision
+    from importlib.metadata import PackageNotFoundError, version
 
-        env["torchvision"] = torchvision.__version__
-    except ImportError:
-        pass
+    for package in ("torchvision", "deepspeed", "mlflow"):  # versions from metadata: no heavy imports
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return env
 
 
@@ -96,6 +99,9 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
         aside = run_dir / f"checkpoints.before-{launch_dir.name}"
         ckpts.rename(aside)
         print(f"trainkit: resume: never: moved the previous checkpoints to {aside}")
+    spool = run_dir / "tracking"
+    if recipe.trainer.resume == "never" and spool.is_dir():
+        spool.rename(run_dir / f"tracking.before-{launch_dir.name}")  # a fresh MLflow run
     text = "# Resolved by trainkit from " + recipe_path + (" " + " ".join(overrides) if overrides else "") + "\n"
     text += yaml.safe_dump(resolved.data, sort_keys=False)
     for where in (run_dir / "recipe.yaml", launch_dir / "recipe.yaml"):
@@ -113,6 +119,7 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
 def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     """Validate runtime inputs, create the run directory, train. Returns the process exit code."""
     from ..runtime import preflight
+    from ..tracking import run as tracking
 
     problems = preflight.check(resolved)
     errors = [p for p in problems if p.severity == "error"]
@@ -127,9 +134,26 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     in_process = recipe.world_size == 1
     print(f"trainkit: run {recipe.name}: {recipe.world_size or recipe.launch.nnodes} process(es)"
           f"{' in-process' if in_process else ''}, run dir {run_dir}", flush=True)
-    if in_process:
-        return _run_in_process(run_dir)
-    return _run_torchrun(recipe, run_dir)
+    environment = json.loads((launch_dir / "environment.json").read_text())
+    where = tracking.open_run(resolved, run_dir, launch_dir, environment)
+    if where:
+        print(f"trainkit: tracking: {where}", flush=True)
+    delivery = None
+    if where:
+        from ..tracking.delivery import BackgroundDelivery
+
+        delivery = BackgroundDelivery(run_dir)  # in this process: never on the workers' time
+    try:
+        code, reason = _run_in_process(run_dir) if in_process else _run_torchrun(recipe, run_dir)
+    finally:
+        if delivery is not None:
+            delivery.close(timeout=5.0)
+    if code != 0:
+        (launch_dir / "failure.txt").write_text(reason + "\n")
+    if where:
+        status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
+        print(f"trainkit: {tracking.close_run(run_dir, launch_dir, status, reason or 'completed')}", flush=True)
+    return code
 
 
 def _free_port() -> int:
@@ -138,7 +162,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_in_process(run_dir: Path) -> int:
+def _run_in_process(run_dir: Path) -> tuple[int, str]:
     """World size 1: the worker's own code, in this process, under the same env contract as torchrun."""
     from ..runtime import worker
 
@@ -147,12 +171,13 @@ def _run_in_process(run_dir: Path) -> int:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return worker.main([str(run_dir)])
+        return worker.main([str(run_dir)]), ""
     except worker.StopRequested as stop:
         return _stopped(stop.signum, run_dir)
     except Exception as exc:
-        print(f"trainkit: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        reason = f"training failed: {type(exc).__name__}: {exc}"
+        print(f"trainkit: {reason}", file=sys.stderr)
+        return 1, reason
     finally:
         for k, v in saved.items():
             if v is None:
@@ -161,7 +186,7 @@ def _run_in_process(run_dir: Path) -> int:
                 os.environ[k] = v
 
 
-def _run_torchrun(recipe: Recipe, run_dir: Path) -> int:
+def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -172,21 +197,22 @@ def _run_torchrun(recipe: Recipe, run_dir: Path) -> int:
     try:
         torchrun.run(torchrun.parse_args(cmd[1:]))
     except ChildFailedError as err:
-        print(failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts), file=sys.stderr)
-        return 1
+        report = failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts)
+        print(report, file=sys.stderr)
+        return 1, report
     except SignalException as exc:
         return _stopped(int(exc.sigval), run_dir)
     except KeyboardInterrupt:
         return _stopped(signal.SIGINT, run_dir)
-    return 0
+    return 0, ""
 
 
-def _stopped(signum: int, run_dir: Path) -> int:
+def _stopped(signum: int, run_dir: Path) -> tuple[int, str]:
     from ..runtime.checkpoint import newest_valid
 
     latest: Optional[Path] = newest_valid(run_dir / "checkpoints", warn=False)
     where = f"newest complete checkpoint: {latest} (resume: auto continues from it)" if latest else \
         "no complete checkpoint was written"
-    print(f"trainkit: stopped by {signal.Signals(signum).name}: workers terminated; {where}",
-          file=sys.stderr, flush=True)
-    return 128 + int(signum)
+    reason = f"stopped by {signal.Signals(signum).name}: workers terminated; {where}"
+    print(f"trainkit: {reason}", file=sys.stderr, flush=True)
+    return 128 + int(signum), reason

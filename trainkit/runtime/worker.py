@@ -122,6 +122,10 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         global_batch = recipe.data.batch_size * world * recipe.trainer.grad_accum_steps
         loop.progress = Progress(recipe.trainer.max_steps, loop.state.step, global_batch, enabled=True)
         loop.sinks = [JsonlSink(run_dir / "metrics.jsonl"), loop.progress]
+        if recipe.tracking.enabled:
+            from ..tracking.run import MlflowSink
+
+            loop.sinks.append(MlflowSink(run_dir))
     hook = fault_hook(rank)
     if hook:
         loop.step_hooks.append(hook)

@@ -1,14 +1,18 @@
 """The interface the training loop talks to; one file per strategy implements it.
 
-The loop never branches on a strategy's name: wrapping, gradient sync, clipping and the model /
-optimizer part of checkpoints all go through these methods (like Lightning Fabric's strategies).
+The loop never branches on a strategy's name: the forward/backward of a micro-batch, gradient
+sync during accumulation, the optimizer step (with clipping), the loss it reports, the
+data-parallel shape of the job, and the model / optimizer part of checkpoints all go through
+these methods (like Lightning Fabric's strategies). The defaults are plain data parallelism;
+each strategy overrides what differs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
-from typing import ContextManager
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,11 +20,20 @@ from torch import nn
 
 
 class Strategy:
-    """Default behaviour is plain data parallel bookkeeping; subclasses override what differs."""
+    """Default behaviour is plain data parallel bookkeeping; subclasses override what differs.
 
-    def __init__(self, options, *, device: torch.device):
-        self.options, self.device = options, device
+    Args:
+        options: the recipe's strategy block.
+        device: this process's device.
+        precision: the run's `runtime.precision.Precision` (autocast, loss scaling).
+        recipe: the whole resolved recipe, for strategies that need batch sizes, accumulation or
+            clipping at construction (DeepSpeed builds its config from them).
+    """
 
+    def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
+        self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
+
+    # ---- the shape of the job
     @property
     def rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
@@ -29,16 +42,59 @@ class Strategy:
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which shard of the data this rank reads (ranks with the same value read the same batches)."""
+        return self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches one micro-step consumes across the job."""
+        return self.world_size
+
+    # ---- build
     def setup(self, model: nn.Module, optimizer_factory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the model for this strategy and build the optimizer over the wrapped parameters."""
         raise NotImplementedError
+
+    # ---- one optimizer step = grad_accum_steps x forward_backward, then optimizer_step
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                         precision, *, grad_accum_steps: int, last_micro_step: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its loss / grad_accum_steps (detached,
+        fp32), the value whose sum over the micro-steps is the step's loss."""
+        sync = contextlib.nullcontext() if last_micro_step else self.no_sync(model)
+        with sync:
+            with precision.autocast():
+                loss = loss_fn(model(x), y) / grad_accum_steps
+            precision.backward(loss)
+        return loss.detach().float()
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Context for accumulation micro-steps whose gradients need not be synchronised yet."""
         return contextlib.nullcontext()
 
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision,
+                       max_norm: Optional[float]) -> Optional[torch.Tensor]:
+        """Unscale, clip (if max_norm), step and zero the gradients; returns the pre-clip gradient norm
+        when clipping, else None."""
+        precision.unscale(optimizer)
+        grad_norm = self.clip_grad_norm(model, max_norm) if max_norm else None
+        precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def eval_forward(self, model: nn.Module, x: torch.Tensor, precision) -> torch.Tensor:
+        """Logits for an evaluation batch (under torch.no_grad, set by the caller)."""
+        with precision.autocast():
+            return model(x)
+
+    # ---- collectives
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss as the whole job sees it (mean over data-parallel ranks)."""
+        return self.all_reduce_mean(loss)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a tensor over all ranks (a copy; the input is unchanged)."""
@@ -61,13 +117,17 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def replica_digests(self, model: nn.Module) -> list[str]:
-        """sha256 of each rank's parameters (replicas must agree): a cheap end-of-run sanity check."""
-        import hashlib
-
-        h = hashlib.sha256()
+    def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
+        """The parameters as this rank holds them (replicas: the whole model)."""
         for p in self.unwrap(model).parameters():
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            yield p.detach()
+
+    def replica_digests(self, model: nn.Module) -> list[str]:
+        """sha256 of each rank's parameters (replicas must agree): a cheap end-of-run sanity check.
+        Sharded strategies hash the whole model as gathered on each rank."""
+        h = hashlib.sha256()
+        for t in self.local_tensors(model):
+            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         digests = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(digests, h.hexdigest())
@@ -80,6 +140,22 @@ class Strategy:
         raise NotImplementedError
 
     def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    # ---- class-level hooks used before launch and after training
+    @classmethod
+    def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
+        """Strategy-specific checks before launch: (recipe path, message, severity) findings."""
+        return iter(())
+
+    @classmethod
+    def owns_checkpoint(cls, folder: Path) -> bool:
+        """Whether a checkpoint folder was written by this strategy (for `trainkit export`)."""
+        return False
+
+    @classmethod
+    def consolidated_state_dict(cls, folder: Path) -> dict:
+        """The whole model's state_dict from a checkpoint folder, on the CPU, in one process."""
         raise NotImplementedError
 
     def teardown(self) -> None:

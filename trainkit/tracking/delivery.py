@@ -35,8 +35,12 @@ def artifact_root_for(uri: str) -> Optional[str]:
 
 
 def client_for(uri: str):
+    import logging
+
     from mlflow.tracking import MlflowClient
 
+    for name in ("mlflow", "alembic"):  # store creation chatter is not for the training console
+        logging.getLogger(name).setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=uri)
 
 

@@ -83,18 +83,15 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
     if not recipe.tracking.enabled:
         return None
     spool = Spool(run_dir)
-    first = not any(r["op"] == "create" for r in spool.records())
     uri = recipe.tracking.uri or default_uri()
-    records: list[dict] = []
-    if first:
-        records.append({"op": "create", "uri": uri, "experiment": recipe.tracking.experiment,
-                        "run_name": recipe.tracking.run_name or recipe.name, "ts": _now_ms(),
-                        "tags": run_tags(recipe, environment)})
-        records.append({"op": "params", "params": flatten(resolved.data)})
-    else:
-        records.append({"op": "status", "status": "RUNNING", "ts": _now_ms()})
-        records.append({"op": "tags", "tags": {"trainkit.last_launch": launch_dir.name}})
-    spool.append(records)
+    create = [{"op": "create", "uri": uri, "experiment": recipe.tracking.experiment,
+               "run_name": recipe.tracking.run_name or recipe.name, "ts": _now_ms(),
+               "tags": run_tags(recipe, environment)},
+              {"op": "params", "params": flatten(resolved.data)}]
+    first = spool.append_unless_created(create)
+    if not first:  # a later launch (resume: auto) or another node's launcher: the same run continues
+        spool.append([{"op": "status", "status": "RUNNING", "ts": _now_ms()},
+                      {"op": "tags", "tags": {"trainkit.last_launch": launch_dir.name}}])
     pending, error = deliver(run_dir)
     state = spool.state()
     where = f"MLflow {state.get('uri', uri)}"
@@ -134,22 +131,22 @@ def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str, timeout
 
 
 class MlflowSink:
-    """Rank 0's metric sink: spool each logged step, deliver in the background."""
+    """Rank 0's metric sink: one fsynced append to the spool per logged step, nothing more.
 
-    def __init__(self, run_dir: Path, interval: float = 2.0):
-        from .delivery import BackgroundDelivery
+    Delivery happens in the launcher process (`BackgroundDelivery`), so MLflow's imports, SQL
+    and HTTP never take the training process's GIL or time.
+    """
 
+    def __init__(self, run_dir: Path):
         self.spool = Spool(run_dir)
-        self.delivery = BackgroundDelivery(run_dir, interval)
 
     def log(self, metrics: dict, step: int) -> None:
         ts = _now_ms()
         self.spool.append([{"op": "metric", "key": k, "value": float(v), "ts": ts, "step": int(step)}
-                           for k, v in metrics.items() if isinstance(v, (int, float))])
-        self.delivery.kick()
+                           for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)])
 
     def close(self) -> None:
-        self.delivery.close(timeout=10.0)  # what is left is delivered by the launcher or `trainkit sync`
+        pass
 
 
 def enabled(run_dir: Path) -> bool:

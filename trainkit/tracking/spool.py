@@ -25,16 +25,26 @@ class Spool:
 
     # ---- writing (any process; appends are atomic lines under an exclusive lock)
     def append(self, records: list[dict[str, Any]]) -> None:
-        if not records:
-            return
-        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+        if records:
+            with self._locked("append"):
+                self._write(records)
+
+    def append_unless_created(self, records: list[dict[str, Any]]) -> bool:
+        """Append the run-creating records unless a launcher already did; True if this call did."""
         with self._locked("append"):
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if any(r["op"] == "create" for r in self.records()):
+                return False
+            self._write(records)
+            return True
+
+    def _write(self, records: list[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     # ---- reading / delivery bookkeeping
     def records(self, start: int = 0) -> list[dict[str, Any]]:

@@ -1,0 +1,174 @@
+"""MLflow tracking through real `trainkit run` launches (2 gloo ranks), read back with MlflowClient:
+one run per job (also across a torchrun restart and a later resume), params/tags/metrics/artifacts,
+the final status, and every point delivered exactly once across a tracking-server outage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from run_helpers import env_for, mlp_recipe, trainkit
+
+pytestmark = pytest.mark.distributed
+
+
+def tracked(tmp: Path, name: str, uri: str, **sections) -> Path:
+    return mlp_recipe(tmp, name, tracking={"experiment": "tests", "uri": uri}, **sections)
+
+
+def only_run(uri: str):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("tests")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return client, runs[0]
+
+
+def steps(client, run, key="loss") -> list[int]:
+    return [m.step for m in client.get_metric_history(run.info.run_id, key)]
+
+
+def test_one_run_with_params_tags_metrics_artifacts_on_the_embedded_store(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = trainkit(tmp_path, "run", str(tracked(tmp_path, "tracked", uri)))
+    assert result.returncode == 0, result.output
+    client, run = only_run(uri)
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["trainer.checkpoint.every"] == "4" and params["model.args.hidden"] == "64"
+    assert params["strategy.name"] == "ddp" and params["data.shape"] == "[3, 4, 4]"
+    tags = run.data.tags
+    assert tags["strategy"] == "ddp" and tags["world_size"] == "2" and tags["precision"] == "fp32"
+    assert tags["torch"].startswith("2.") and tags["trainkit.version"] and tags["hostname"]
+    assert steps(client, run) == list(range(1, 13))  # log_every 1, each step once, in order
+    assert {"lr", "samples_per_s"} <= set(run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"recipe.yaml", "summary.json", "launches"} <= artifacts
+
+
+def test_a_torchrun_restart_and_a_later_resume_continue_the_same_run(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    recipe = tracked(tmp_path, "resumed", uri, launch={"max_restarts": 1})
+    first = trainkit(tmp_path, "run", str(recipe), TRAINKIT_FAULT_INJECT="rank=1,step=7")
+    assert first.returncode == 0, first.output
+    client, run = only_run(uri)
+    # steps 5..7 ran twice (resumed from the step-4 checkpoint); every step is there, in order
+    assert sorted(set(steps(client, run))) == list(range(1, 13))
+    second = trainkit(tmp_path, "run", str(recipe), "trainer.max_steps=16")
+    assert second.returncode == 0, second.output
+    client, again = only_run(uri)
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert steps(client, again)[-4:] == [13, 14, 15, 16]
+
+
+def test_a_failed_job_is_marked_failed_with_the_reason(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = trainkit(tmp_path, "run", str(tracked(tmp_path, "doomed", uri)), TRAINKIT_FAULT_INJECT="rank=1,step=3")
+    assert result.returncode == 1
+    _, run = only_run(uri)
+    assert run.info.status == "FAILED"
+    assert "rank 1" in run.data.tags["trainkit.status_reason"]
+
+
+def test_sigterm_marks_the_run_killed(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    recipe = tracked(tmp_path, "stopped", uri, data={"sleep_ms": 20.0}, trainer={"max_steps": 1000, "log_every": 1})
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
+                            env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "runs" / "stopped" / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out
+    _, run = only_run(uri)
+    assert run.info.status == "KILLED"
+
+
+# --------------------------------------------------------------------------- a real server, stopped mid-run
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(folder: Path, port: int) -> subprocess.Popen:
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{folder}/server.db", "--default-artifact-root", str(folder / "artifacts"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    import urllib.request
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    _stop_server(proc)
+    raise AssertionError("mlflow server did not start in 90 s")
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_every_point_arrives_exactly_once_in_order_across_a_server_outage(tmp_path):
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = _start_server(tmp_path, port)
+    recipe = tracked(tmp_path, "outage", uri, data={"sleep_ms": 15.0},
+                     trainer={"max_steps": 160, "log_every": 1, "checkpoint": {"every": 80, "keep": 2}})
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
+                            env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    metrics = tmp_path / "runs" / "outage" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 10):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.2)
+        _stop_server(server)  # the server goes away mid-run ...
+        down_at = metrics.read_text().count("\n")
+        time.sleep(6)
+        assert proc.poll() is None, "training must go on while the server is down"
+        assert metrics.read_text().count("\n") > down_at
+        server = _start_server(tmp_path, port)  # ... and comes back (same store, same port)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        _stop_server(server)
+        server = _start_server(tmp_path, port)
+    try:
+        assert proc.returncode == 0, out
+        client, run = only_run(uri)
+        assert run.info.status == "FINISHED"
+        assert steps(client, run) == list(range(1, 161))  # every point, exactly once, in step order
+    finally:
+        _stop_server(server)
