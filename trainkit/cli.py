@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("export", help="write a checkpoint's model as one consolidated state_dict file (any strategy)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="e.g. runs/NAME/checkpoints/step-00000100")
+    p.add_argument("out", metavar="OUT.pt", help="file for torch.load + model.load_state_dict")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("runs", help="list recent runs in the MLflow store")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
     p.add_argument("--experiment", help="only this experiment")
@@ -155,6 +160,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .launch import launcher
 
     return launcher.run(resolved, args.recipe, list(args.overrides))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .runtime.export import ExportError, export
+
+    try:
+        print(export(args.checkpoint, args.out))
+    except ExportError as exc:
+        print(f"trainkit: export: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
 
 
 def cmd_make_imagefolder(args: argparse.Namespace) -> int:

@@ -75,19 +75,11 @@ class Loop:
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             x, y = self._to_device(next(data))
-            sync = self.strategy.no_sync(self.model) if micro < accum - 1 else _null()
-            with sync:
-                with self.precision.autocast():
-                    loss = self.loss_fn(self.model(x), y) / accum
-                self.precision.backward(loss)
-            total += loss.detach().float()
-        self.precision.unscale(self.optimizer)
-        grad_norm = None
-        if self.recipe.trainer.grad_clip:
-            grad_norm = self.strategy.clip_grad_norm(self.model, self.recipe.trainer.grad_clip)
-        self.precision.step(self.optimizer)
+            total += self.strategy.forward_backward(self.model, x, y, self.loss_fn, self.precision,
+                                                    grad_accum_steps=accum, last_micro_step=micro == accum - 1)
+        grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
+                                                 self.recipe.trainer.grad_clip)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return total, grad_norm
 
     @torch.no_grad()
@@ -98,8 +90,7 @@ class Loop:
             if i >= self.recipe.trainer.eval_steps:
                 break
             x, y = batch[0].to(self.device), batch[1].to(self.device)
-            with self.precision.autocast():
-                out = self.model(x)
+            out = self.strategy.eval_forward(self.model, x, self.precision)
             sums += torch.stack([nn.functional.cross_entropy(out.float(), y, reduction="sum").double(),
                                  (out.argmax(1) == y).sum().double(), torch.tensor(float(len(y)), device=self.device,
                                                                                    dtype=torch.float64)])
@@ -120,7 +111,7 @@ class Loop:
 
     def run(self) -> dict:
         t = self.recipe.trainer
-        global_batch = self.recipe.data.batch_size * self.strategy.world_size * t.grad_accum_steps
+        global_batch = self.recipe.data.batch_size * self.strategy.data_parallel_size * t.grad_accum_steps
         start_step, t0 = self.state.step, time.perf_counter()
         last_ckpt: Optional[Path] = None
         metrics: dict = {}
@@ -135,7 +126,7 @@ class Loop:
                 self.progress.update(step, loss.item())
             last = step == t.max_steps
             if step % t.log_every == 0 or last or (t.eval_every and step % t.eval_every == 0):
-                metrics = {"loss": self.strategy.all_reduce_mean(loss).item(),
+                metrics = {"loss": self.strategy.reduce_loss(loss).item(),
                            "lr": self.optimizer.param_groups[0]["lr"], "epoch": self.state.epoch,
                            "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
                 if grad_norm is not None:

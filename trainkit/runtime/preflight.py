@@ -20,7 +20,7 @@ def check(resolved) -> list[Problem]:
     """Every runtime problem of a resolved recipe (errors and warnings)."""
     recipe = resolved.recipe
     out: list[Problem] = []
-    for fn in (_data, _model, _batch_fits, _devices, _strategy):
+    for fn in (_data, _model, _batch_fits, _devices, _strategy, _strategy_checks):
         for path, message, severity in fn(recipe):
             out.append(Problem(resolved.locate(path), ".".join(map(str, path)), message, severity))
     return out
@@ -140,6 +140,17 @@ def _strategy(r) -> Iterator[Finding]:
     if hook == "powersgd" and backend == "gloo":
         yield ("strategy", "comm_hook"), "powersgd on gloo is known to fail or hang with several gradient " \
             "buckets (pytorch#58467); it is only reliable here for small models", "warning"
+
+
+def _strategy_checks(r) -> Iterator[Finding]:
+    """The strategy class's own checks (split points exist, DeepSpeed config parses, ...)."""
+    try:
+        cls = registry.component(r.strategy)
+    except Exception:  # reported by _strategy
+        return
+    hook = getattr(cls, "preflight", None)
+    if hook is not None:
+        yield from hook(r)
 
 
 _PROBE = """

@@ -91,19 +91,21 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
     model = build_model(recipe.model)
-    strategy = registry.component(recipe.strategy)(recipe.strategy, device=device)
+    precision = Precision(recipe.precision, device, recipe.trainer.loss_scale)
+    strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision,
+                                                   recipe=recipe)
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
-    precision = Precision(recipe.precision, device, recipe.trainer.loss_scale)
     seed_everything(seed + rank)  # per-rank randomness (augmentation, dropout)
 
     train_set, eval_set = build_datasets(recipe.data, seed)
     pin = recipe.data.pin_memory and device.type == "cuda"
-    train_loader = make_loader(train_set, recipe.data, rank=rank, world_size=world, seed=seed, train=True,
+    dp_rank, dp_size = strategy.data_parallel_rank, strategy.data_parallel_size  # pipeline: every stage, one batch
+    train_loader = make_loader(train_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=True,
                                pin_memory=pin)
     eval_loader = None
     if eval_set is not None and recipe.trainer.eval_every:
-        eval_loader = make_loader(eval_set, recipe.data, rank=rank, world_size=world, seed=seed, train=False,
+        eval_loader = make_loader(eval_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=False,
                                   pin_memory=pin)
 
     ckpt_dir = run_dir / "checkpoints"
@@ -119,7 +121,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
             print(f"trainkit: resumed from {source} (step {loop.state.step}, epoch {loop.state.epoch})",
                   flush=True)
     if rank == 0:
-        global_batch = recipe.data.batch_size * world * recipe.trainer.grad_accum_steps
+        global_batch = recipe.data.batch_size * dp_size * recipe.trainer.grad_accum_steps
         loop.progress = Progress(recipe.trainer.max_steps, loop.state.step, global_batch, enabled=True)
         loop.sinks = [JsonlSink(run_dir / "metrics.jsonl"), loop.progress]
         if recipe.tracking.enabled:

@@ -57,3 +57,12 @@ class DDPStrategy(Strategy):
         where = self.device
         self.unwrap(model).load_state_dict(torch.load(folder / "model.pt", map_location=where, weights_only=True))
         optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=where, weights_only=True))
+
+    @classmethod
+    def owns_checkpoint(cls, folder: Path) -> bool:
+        return (folder / "model.pt").is_file()
+
+    @classmethod
+    def consolidated_state_dict(cls, folder: Path) -> dict:
+        """DDP already writes one whole-model file."""
+        return torch.load(folder / "model.pt", map_location="cpu", weights_only=True)

@@ -1,0 +1,58 @@
+"""Shared set-up of the per-strategy correctness tests (tests/test_strategies_*.py).
+
+Every strategy is compared with the same single-process run: an MLP (4 Linear layers, so it also
+splits into 2 or 4 pipeline stages), 16 samples per optimizer step, SGD with momentum, fp32,
+20 steps, checkpoints every 10.
+
+Tolerance (RTOL 1e-5 relative on every step's loss): each strategy computes the same gradients as
+one process in exact arithmetic -- DDP/FSDP/ZeRO average per-rank means over 2 ranks, the pipeline
+averages per-micro-batch means -- so they differ only in fp32 summation order, ~1e-7 relative per
+step. Over 20 SGD-momentum steps that stays two orders of magnitude under 1e-5; a real bug (a
+missed gradient reduction, a wrong sample split, a double-counted micro-batch, clipping left on)
+moves the loss by 1e-3 or more within a couple of steps.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from run_helpers import losses, mlp_recipe, trainkit
+
+RTOL = 1e-5
+STEPS = 20
+MODEL = {"name": "mlp", "args": {"in_features": 48, "hidden": 64, "num_classes": 4, "depth": 3}}
+
+
+def recipe(tmp: Path, name: str, strategy: dict, **sections) -> Path:
+    base = dict(model=MODEL, strategy=strategy, optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                trainer={"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": 10, "keep": 3}},
+                launch={"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120})
+    for key, value in sections.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and key != "strategy" else value
+    return mlp_recipe(tmp, name, **base)
+
+
+def run(tmp: Path, path: Path, *overrides: str, **env: str) -> Path:
+    result = trainkit(tmp, "run", str(path), *overrides, **env)
+    assert result.returncode == 0, result.output[-6000:]
+    return tmp / "runs" / path.stem
+
+
+def single_process_losses(tmp: Path) -> list[float]:
+    """One process, batch 16 (the global batch of 2 ranks x 8, or of a 1-data-parallel pipeline)."""
+    path = recipe(tmp, "single", {"name": "ddp"}, data={"batch_size": 16}, launch={"nproc_per_node": 1})
+    out = losses(run(tmp, path))
+    assert len(out) == STEPS and out[-1] < out[0]
+    return out
+
+
+def resume_from_step_10(tmp: Path, run_dir: Path, recipe_path: Path, **env: str) -> list[float]:
+    """Drop the step-20 checkpoint of a finished run and launch it again: it resumes from step 10.
+    Returns the losses of the relaunch (steps 11..20)."""
+    before = len(losses(run_dir))
+    shutil.rmtree(run_dir / "checkpoints" / f"step-{STEPS:08d}")
+    result = trainkit(tmp, "run", str(recipe_path), **env)
+    assert result.returncode == 0, result.output[-6000:]
+    assert "resumed from" in result.stdout and "step-00000010" in result.stdout, result.stdout
+    return losses(run_dir)[before:]

@@ -1,0 +1,190 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded
+over a 1-D device mesh.
+
+Thin functions in the torchtitan style: `blocks_to_wrap` picks the units, `apply_fsdp` composes
+activation checkpointing and `fully_shard`; the strategy class only adapts them to the loop.
+Checkpoints go through torch.distributed.checkpoint (every rank writes its shards in parallel), so
+a checkpoint saved with N ranks loads with M.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from ..recipe.blocks import FSDPOptions
+from .base import Strategy
+
+CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def blocks_to_wrap(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """The modules sharded as units.
+
+    With class names (e.g. ``["Bottleneck"]``): every module of those classes, outermost only.
+    Without (automatic): the children with parameters of every Sequential/ModuleList container,
+    i.e. the repeated blocks of a network (ResNet's Bottlenecks, an MLP's layers).
+    """
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if class_names:
+                hit = type(child).__name__ in class_names
+            else:
+                hit = isinstance(module, CONTAINERS) and _has_params(child)
+            if hit:
+                chosen.append(child)
+            else:
+                visit(child)
+
+    if class_names and type(model).__name__ in class_names:
+        return []  # the root is the only unit
+    visit(model)
+    return chosen
+
+
+def unknown_wrap_classes(model: nn.Module, class_names: list[str]) -> list[str]:
+    present = {type(m).__name__ for m in model.modules()}
+    return [n for n in class_names if n not in present]
+
+
+def mixed_precision_policy(precision_name: str):
+    """bf16/fp16 parameters in compute, fp32 gradient reduction (the torchtitan default)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str) -> nn.Module:
+    """Activation checkpointing (optional) and fully_shard on each block, then on the root."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward,
+              "mp_policy": mixed_precision_policy(precision_name)}
+    if options.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for block in blocks_to_wrap(model, options.wrap):
+        if options.activation_checkpointing:
+            checkpoint(block)  # composable: recompute in backward, parameter names unchanged
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class FSDPStrategy(Strategy):
+    options: FSDPOptions
+
+    def setup(self, model: nn.Module, optimizer_factory):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp_shard",))
+        if not self.options.cpu_offload:
+            model = model.to(self.device)
+        apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32")
+        return model, optimizer_factory(model.parameters())
+
+    def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
+        """The MixedPrecisionPolicy casts parameters and inputs, so no autocast here."""
+        with (contextlib.nullcontext() if last_micro_step else self.no_sync(model)):
+            loss = loss_fn(model(x).float(), y) / grad_accum_steps
+            precision.backward(loss)
+        return loss.detach().float()
+
+    def eval_forward(self, model, x, precision):
+        return model(x)
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Accumulate unsharded gradients locally; reduce-scatter only on the last micro-step."""
+        @contextlib.contextmanager
+        def off():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return off()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Global norm over the DTensor gradient shards (full_tensor all-reduces the partial norm)."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
+        """The whole (gathered) parameters, so every rank hashes the same model."""
+        from torch.distributed.tensor import DTensor
+
+        for p in model.parameters():
+            yield p.full_tensor().detach() if isinstance(p, DTensor) else p.detach()
+
+    # ---- checkpoints: torch.distributed.checkpoint, every rank writes its own shards
+    def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+
+    def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Loads whatever world size wrote it: DCP reshards to this run's mesh."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    # ---- class-level hooks
+    @classmethod
+    def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
+        from ..runtime.model import build_model
+
+        names = recipe.strategy.wrap
+        if not names:
+            return
+        try:
+            with torch.device("meta"):
+                model = build_model(recipe.model.model_copy(update={"weights": None}))
+        except Exception:  # the model check reports it
+            return
+        missing = unknown_wrap_classes(model, names)
+        if missing:
+            present = sorted({type(m).__name__ for m in model.modules() if _has_params(m)})
+            yield ("strategy", "wrap"), (f"no module of class {', '.join(missing)} in {recipe.model.name}; "
+                                         f"classes with parameters: {', '.join(present)}"), "error"
+
+    @classmethod
+    def owns_checkpoint(cls, folder: Path) -> bool:
+        return (folder / ".metadata").is_file()
+
+    @classmethod
+    def consolidated_state_dict(cls, folder: Path) -> dict:
+        """All shards merged into plain tensors, without a process group."""
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "full.pt"
+            dcp_to_torch_save(str(folder), str(out))
+            return torch.load(out, map_location="cpu", weights_only=False)["model"]
