@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 
 def tracked(tmp: Path, name: str, uri: str, **sections) -> Path:
-    return mlp_recipe(tmp, name, tracking={"experiment": "tests", "uri": uri}, **sections)
+    return mlp_recipe(tmp, name, tracking={"experiment": "tests", "uri": uri, "enabled": True}, **sections)
 
 
 def only_run(uri: str):
@@ -138,37 +138,42 @@ def _stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def test_every_point_arrives_exactly_once_in_order_across_a_server_outage(tmp_path):
+@pytest.mark.parametrize("outage", ["mid-run", "at-start"])
+def test_every_point_arrives_exactly_once_in_order_across_a_server_outage(tmp_path, outage):
+    from trainkit.tracking.spool import Spool
+
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
-    server = _start_server(tmp_path, port)
+    server = _start_server(tmp_path, port) if outage == "mid-run" else None
     recipe = tracked(tmp_path, "outage", uri, data={"sleep_ms": 15.0},
                      trainer={"max_steps": 160, "log_every": 1, "checkpoint": {"every": 80, "keep": 2}})
     proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
                             env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    metrics = tmp_path / "runs" / "outage" / "metrics.jsonl"
+    run_dir = tmp_path / "runs" / "outage"
+    metrics = run_dir / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and metrics.read_text().count("\n") >= 10):
             assert time.monotonic() < deadline and proc.poll() is None, "training never started"
             time.sleep(0.2)
-        _stop_server(server)  # the server goes away mid-run ...
+        if server is not None:
+            _stop_server(server)  # the server goes away mid-run ...
+            server = None
         down_at = metrics.read_text().count("\n")
         time.sleep(6)
         assert proc.poll() is None, "training must go on while the server is down"
         assert metrics.read_text().count("\n") > down_at
+        assert Spool(run_dir).pending_count() > 0  # kept locally meanwhile
         server = _start_server(tmp_path, port)  # ... and comes back (same store, same port)
         out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        _stop_server(server)
-        server = _start_server(tmp_path, port)
-    try:
         assert proc.returncode == 0, out
         client, run = only_run(uri)
         assert run.info.status == "FINISHED"
         assert steps(client, run) == list(range(1, 161))  # every point, exactly once, in step order
+        assert Spool(run_dir).pending_count() == 0
     finally:
-        _stop_server(server)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if server is not None:
+            _stop_server(server)
