@@ -1,0 +1,340 @@
+"""Pipeline parallel with `torch.distributed.pipelining`: the model cut into stages, stages placed
+round-robin on the ranks, micro-batches driven by a GPipe, 1F1B or interleaved-1F1B schedule.
+
+The model must be an `nn.Sequential` (nested Sequentials are flattened): its forward is then the
+composition of its blocks, so a stage is just a run of consecutive blocks and keeps the original
+parameter names -- checkpoints and `trainkit export` use the unpipelined model's keys.
+
+Every rank reads the same batch (data-parallel size 1); the first stage consumes the inputs, the
+last stage the labels, and the loss it computes is broadcast so every rank reports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..recipe.blocks import PipelineOptions
+from .base import Strategy
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+class SplitError(ValueError):
+    pass
+
+
+# --------------------------------------------------------------------------- splitting (pure functions)
+def flatten_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of the leaves of nested Sequentials, in forward order."""
+    if not isinstance(model, nn.Sequential):
+        raise SplitError(f"the pipeline strategy needs an nn.Sequential model (its forward is then the chain of "
+                         f"its blocks); got {type(model).__name__}")
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, seq: nn.Sequential) -> None:
+        for name, child in seq.named_children():
+            if isinstance(child, nn.Sequential):
+                visit(f"{prefix}{name}.", child)
+            else:
+                out.append((f"{prefix}{name}", child))
+
+    visit("", model)
+    return out
+
+
+def stage_count(options: PipelineOptions, world_size: int) -> int:
+    if options.split_points:
+        return len(options.split_points) + 1
+    return world_size * (2 if options.schedule == "interleaved_1f1b" else 1)
+
+
+def boundaries_from_names(names: list[str], split_points: list[str]) -> list[int]:
+    """Block index where each stage after the first begins."""
+    starts = []
+    for point in split_points:
+        hits = [i for i, n in enumerate(names) if n == point or n.startswith(point + ".")]
+        if not hits:
+            raise SplitError(f"split point '{point}' is not a module of the model")
+        if hits[0] == 0:
+            raise SplitError(f"split point '{point}' is the first block: stage 0 would be empty")
+        starts.append(hits[0])
+    if starts != sorted(set(starts)):
+        raise SplitError(f"split points {split_points} must name different modules in forward order")
+    return starts
+
+
+def balanced_boundaries(sizes: list[int], stages: int) -> list[int]:
+    """Cut `sizes` (parameters per block) into `stages` non-empty runs minimising the largest run."""
+    n = len(sizes)
+    if n < stages:
+        raise SplitError(f"{stages} stages need at least {stages} blocks, the model has {n}")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    # best[k][i]: smallest max-stage-size splitting blocks[:i] into k stages; cut[k][i]: start of the last
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return sorted(starts)[1:]
+
+
+def plan_stages(model: nn.Module, options: PipelineOptions, world_size: int) -> list[list[tuple[str, nn.Module]]]:
+    blocks = flatten_blocks(model)
+    names = [n for n, _ in blocks]
+    if options.split_points:
+        starts = boundaries_from_names(names, options.split_points)
+    else:
+        starts = balanced_boundaries([sum(p.numel() for p in m.parameters()) for _, m in blocks],
+                                     stage_count(options, world_size))
+    edges = [0] + starts + [len(blocks)]
+    return [blocks[a:b] for a, b in zip(edges, edges[1:])]
+
+
+class StageModule(nn.Module):
+    """A run of consecutive blocks; state_dict keys are the original model's."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]]):
+        super().__init__()
+        self.names = [n for n, _ in blocks]
+        self.blocks = nn.ModuleList([m for _, m in blocks])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def model_state_dict(self) -> dict:
+        return {f"{n}.{k}": v for n, m in zip(self.names, self.blocks) for k, v in m.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict) -> None:
+        for n, m in zip(self.names, self.blocks):
+            m.load_state_dict({k[len(n) + 1:]: v for k, v in state.items() if k.startswith(n + ".")})
+
+
+# --------------------------------------------------------------------------- the strategy
+class PipelineStrategy(Strategy):
+    options: PipelineOptions
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+    def setup(self, model: nn.Module, optimizer_factory):
+        from torch.distributed.pipelining import PipelineStage
+
+        plan = plan_stages(model, self.options, self.world_size)
+        self.num_stages = len(plan)
+        self.stage_ids = list(range(self.rank, self.num_stages, self.world_size))  # round-robin ("loop") placement
+        self.modules = [StageModule(plan[i]).to(self.device) for i in self.stage_ids]
+        self.stages = [PipelineStage(m, i, self.num_stages, self.device) for m, i in zip(self.modules, self.stage_ids)]
+        self.schedule = None
+        container = nn.ModuleList(self.modules)
+        groups = [{"params": list(m.parameters())} for m in self.modules]
+        self.groups_of_stage = {}  # stage index -> optimizer param group index (stages without parameters have none)
+        kept = []
+        for stage_id, group in zip(self.stage_ids, groups):
+            if group["params"]:
+                self.groups_of_stage[stage_id] = len(kept)
+                kept.append(group)
+        if not kept:
+            raise SplitError(f"rank {self.rank} holds stages {self.stage_ids} without parameters; "
+                             f"choose split points that give every rank some layers")
+        return container, optimizer_factory(kept)
+
+    @property
+    def last_stage_rank(self) -> int:
+        return (self.num_stages - 1) % self.world_size
+
+    def _build_schedule(self, loss_fn, grad_accum_steps: int):
+        from torch.distributed.pipelining import schedules
+
+        m = self.options.microbatches
+        scale = m * grad_accum_steps
+
+        def stage_loss(out, target):  # mean over the micro-batch, / micro-batches and accumulation
+            return loss_fn(out.float(), target) / scale
+
+        cls = getattr(schedules, SCHEDULES[self.options.schedule])
+        if self.options.schedule == "interleaved_1f1b":
+            return cls(self.stages, n_microbatches=m, loss_fn=stage_loss, scale_grads=False)
+        if len(self.stages) != 1:
+            raise SplitError(f"schedule {self.options.schedule} runs one stage per rank; rank {self.rank} has "
+                             f"{len(self.stages)} (use interleaved_1f1b for several)")
+        return cls(self.stages[0], n_microbatches=m, loss_fn=stage_loss, scale_grads=False)
+
+    def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
+        if self.schedule is None:
+            self.schedule = self._build_schedule(loss_fn, grad_accum_steps)
+        first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        losses: list = []
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": losses} if last else {}
+        with precision.autocast():
+            self.schedule.step(*args, **kwargs)
+        loss = torch.stack([l.detach().float() for l in losses]).sum() if last else torch.zeros((), device=self.device)
+        if self.world_size > 1:
+            dist.broadcast(loss, src=self.last_stage_rank)
+        return loss
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.detach().clone().float()  # already the whole batch's loss on every rank
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The norm over all stages: each rank's squared sum, all-reduced."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in params:
+            sq += p.grad.detach().float().pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(sq)
+        total = sq.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def eval_forward(self, model, x, precision):
+        raise NotImplementedError("evaluation is not supported by the pipeline strategy yet")
+
+    def replica_digests(self, model: nn.Module) -> list[str]:
+        """Stages differ by design: each rank reports the digest of the whole model (all stages)."""
+        import hashlib
+
+        parts = [None] * self.world_size
+        h = hashlib.sha256()
+        for stage_id, m in zip(self.stage_ids, self.modules):
+            for k, v in sorted(m.model_state_dict().items()):
+                h.update(f"{stage_id}:{k}".encode())
+                h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        if self.world_size > 1:
+            dist.all_gather_object(parts, h.hexdigest())
+        else:
+            parts = [h.hexdigest()]
+        whole = hashlib.sha256("".join(parts).encode()).hexdigest()
+        return [whole] * self.world_size
+
+    # ---- checkpoints: one file per stage (its blocks and its optimizer state), written by its rank
+    def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from ..runtime.checkpoint import fsync_save
+
+        full = optimizer.state_dict()
+        for stage_id, m in zip(self.stage_ids, self.modules):
+            g = self.groups_of_stage.get(stage_id)
+            group = state = None
+            if g is not None:
+                pg = full["param_groups"][g]
+                group = {k: v for k, v in pg.items() if k != "params"}
+                state = [full["state"].get(i) for i in pg["params"]]
+            fsync_save({"stage": stage_id, "num_stages": self.num_stages, "blocks": m.names,
+                        "model": m.model_state_dict(), "optimizer_group": group, "optimizer_state": state},
+                       folder / f"pipeline-stage-{stage_id:03d}.pt")
+
+    def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Each rank reads its stages' files; the optimizer state is renumbered to this placement."""
+        current = optimizer.state_dict()
+        groups, state = [dict(pg) for pg in current["param_groups"]], {}
+        for stage_id, m in zip(self.stage_ids, self.modules):
+            path = folder / f"pipeline-stage-{stage_id:03d}.pt"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} missing: the checkpoint was written with a different stage layout")
+            saved = torch.load(path, map_location=self.device, weights_only=False)
+            if saved["num_stages"] != self.num_stages or saved["blocks"] != m.names:
+                raise ValueError(f"{path}: stage {stage_id} held blocks {saved['blocks']} of {saved['num_stages']} "
+                                 f"stages; this run's stage {stage_id} holds {m.names} of {self.num_stages}. "
+                                 f"Resume with the same split points and world size")
+            m.load_model_state_dict(saved["model"])
+            g = self.groups_of_stage.get(stage_id)
+            if g is not None:
+                ids = groups[g]["params"]
+                groups[g] = dict(saved["optimizer_group"], params=ids)
+                state.update({i: s for i, s in zip(ids, saved["optimizer_state"]) if s is not None})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    # ---- class-level hooks
+    @classmethod
+    def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
+        """Split points must exist (the model is built on the meta device), stages must fit the world
+        size and the schedule, and what the strategy cannot do yet is said before launch."""
+        from ..runtime.model import build_model
+
+        o = recipe.strategy
+        if recipe.trainer.eval_every:
+            yield ("trainer", "eval_every"), "evaluation is not supported by the pipeline strategy yet; " \
+                "set trainer.eval_every: null", "error"
+        if recipe.precision == "fp16":
+            yield ("precision",), "the pipeline strategy has no fp16 loss scaling; use bf16 or fp32", "error"
+        try:
+            with torch.device("meta"):
+                model = build_model(recipe.model.model_copy(update={"weights": None}))
+        except Exception:  # the model check reports it
+            return
+        try:
+            blocks = flatten_blocks(model)
+        except SplitError as exc:
+            yield ("model", "name"), str(exc), "error"
+            return
+        names = [n for n, _ in blocks]
+        if o.split_points:
+            for i, point in enumerate(o.split_points):
+                if not any(n == point or n.startswith(point + ".") for n in names):
+                    from ..recipe.problems import did_you_mean
+
+                    yield ("strategy", "split_points", i), (
+                        f"split point '{point}' is not a module of {recipe.model.name}{did_you_mean(point, names)} "
+                        f"(blocks in forward order: {', '.join(names)})"), "error"
+            try:
+                boundaries_from_names(names, o.split_points)
+            except SplitError as exc:
+                if "not a module" not in str(exc):
+                    yield ("strategy", "split_points"), str(exc), "error"
+        ws = recipe.world_size
+        if ws is None:
+            return
+        stages = stage_count(o, ws)
+        if len(blocks) < stages:
+            yield ("strategy", "split_points"), f"{stages} stages need at least {stages} blocks; " \
+                f"{recipe.model.name} has {len(blocks)}", "error"
+        if o.schedule in ("1f1b", "interleaved_1f1b") and o.microbatches < (stages if o.schedule == "1f1b" else ws):
+            yield ("strategy", "microbatches"), f"schedule {o.schedule} needs at least as many micro-batches as " \
+                f"{'stages' if o.schedule == '1f1b' else 'ranks'} ({stages if o.schedule == '1f1b' else ws}); " \
+                f"got {o.microbatches}", "error"
+        if o.schedule == "interleaved_1f1b":
+            rounds = max(1, o.microbatches // ws)
+            if o.microbatches % rounds:
+                yield ("strategy", "microbatches"), f"interleaved_1f1b on {ws} ranks needs microbatches divisible " \
+                    f"by {rounds} (microbatches // ranks); got {o.microbatches}", "error"
+
+    @classmethod
+    def owns_checkpoint(cls, folder: Path) -> bool:
+        return any(folder.glob("pipeline-stage-*.pt"))
+
+    @classmethod
+    def consolidated_state_dict(cls, folder: Path) -> dict:
+        """The stages' blocks merged back into the unpipelined model's state_dict."""
+        files = sorted(folder.glob("pipeline-stage-*.pt"))
+        saved = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+        expected = saved[0]["num_stages"] if saved else 0
+        if len(saved) != expected:
+            raise FileNotFoundError(f"{folder}: {len(saved)} stage files for {expected} stages")
+        out: dict = {}
+        for s in saved:
+            out.update(s["model"])
+        return out
