@@ -31,9 +31,22 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> 
     else:
         lines.append("steps per epoch: unknown until the data is read")
     lines.append(f"precision:       {r.precision}   strategy: {r.strategy.name}")
+    lines += _strategy_lines(r)
     lines.append(f"files:           {', '.join(resolved.files)}")
     lines += ["", "# command (run by `trainkit run`)", shlex.join(torchrun_command(r, "<run dir>"))]
     return "\n".join(lines)
+
+
+def _strategy_lines(r) -> list[str]:
+    """What the strategy class adds to the plan (DeepSpeed: its ds_config, via ds_config_for)."""
+    from .. import registry
+
+    try:
+        cls = registry.component(r.strategy)
+    except Exception:
+        return []
+    hook = getattr(cls, "plan_lines", None)
+    return list(hook(r)) if hook else []
 
 
 def _dataset_size(r) -> int | None:

@@ -1,0 +1,97 @@
+"""DeepSpeed ZeRO through `trainkit run` under torchrun (2 gloo processes, DeepSpeed's CPU
+accelerator here), with trainkit's torch optimizer and DeepSpeed's own checkpoints.
+
+Tolerance: see strategy_runs (RTOL 1e-5). ZeRO reduce-scatters / all-reduces the per-rank mean
+gradients of 2 x 8 samples -- the one-process gradient of 16 up to fp32 summation order -- once
+DeepSpeed's default gradient clipping of 1.0 is turned off (ds_config_for writes 0.0 when
+trainer.grad_clip is null). Resume is compared bit for bit.
+
+DeepSpeed JIT-compiles its shared-memory comm op on first use (~40 s): every launch here shares
+one TORCH_EXTENSIONS_DIR in pytest's cache folder, so that happens once, not per test (or session).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from run_helpers import losses, summary, trainkit
+from strategy_runs import RTOL, STEPS, recipe, resume_from_step_10, run, single_process_losses
+
+pytestmark = pytest.mark.distributed
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@pytest.fixture(scope="module")
+def ext(request) -> dict:
+    return {"TORCH_EXTENSIONS_DIR": str(request.config.cache.mkdir("torch_extensions")), "DS_ACCELERATOR": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> list[float]:
+    return single_process_losses(tmp_path_factory.mktemp("single"))
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, ext):
+    tmp = tmp_path_factory.mktemp("zero3")
+    path = recipe(tmp, "zero3", {"name": "deepspeed", "zero_stage": 3})
+    return tmp, path, run(tmp, path, **ext)
+
+
+def test_zero3_follows_the_one_process_loss_trajectory(single, zero3_run):
+    _, _, run_dir = zero3_run
+    assert losses(run_dir) == pytest.approx(single, rel=RTOL)
+    assert summary(run_dir)["replicas_identical"]
+    assert (run_dir / "checkpoints" / "step-00000020" / "zero").is_dir()
+
+
+def test_zero2_with_optimizer_offload_and_accumulation_follows_the_one_process_trajectory(single, tmp_path, ext):
+    """ZeRO-2, optimizer state offloaded to the CPU (the torch optimizer, no compiled CPU Adam),
+    2 accumulation micro-steps of 4 per rank (DeepSpeed's gradient_accumulation_steps)."""
+    path = recipe(tmp_path, "zero2", {"name": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu"},
+                  data={"batch_size": 4}, trainer={"grad_accum_steps": 2})
+    assert losses(run(tmp_path, path, **ext)) == pytest.approx(single, rel=RTOL)
+
+
+def test_zero3_resume_repeats_the_uninterrupted_run_exactly(zero3_run, ext):
+    tmp, path, run_dir = zero3_run
+    uninterrupted = losses(run_dir)[:STEPS]
+    assert resume_from_step_10(tmp, run_dir, path, **ext) == uninterrupted[10:]
+
+
+def test_export_reassembles_fp32_weights_from_the_zero3_partitions(zero3_run, tmp_path, ext):
+    _, _, run_dir = zero3_run
+    out = tmp_path / "model.pt"
+    result = trainkit(tmp_path, "export", str(run_dir / "checkpoints" / "step-00000010"), str(out), **ext)
+    assert result.returncode == 0, result.output
+    from trainkit.models import mlp
+
+    state = torch.load(out, weights_only=True)
+    mlp(in_features=48, hidden=64, num_classes=4, depth=3).load_state_dict(state)
+    assert all(v.dtype == torch.float32 for v in state.values())
+
+
+def test_plan_shows_the_ds_config_and_deepspeed_parses_it_before_launch(tmp_path, ext):
+    good = recipe(tmp_path, "good", {"name": "deepspeed", "zero_stage": 2}, trainer={"grad_accum_steps": 4})
+    result = trainkit(tmp_path, "plan", str(good), **ext)
+    assert result.returncode == 0, result.output
+    assert '"gradient_accumulation_steps": 4' in result.stdout and '"gradient_clipping": 0.0' in result.stdout
+    assert '"train_micro_batch_size_per_gpu": 8' in result.stdout and '"stage": 2' in result.stdout
+    bad = recipe(tmp_path, "bad", {"name": "deepspeed", "zero_stage": 2,
+                                   "config": {"zero_optimization": {"overlap_comm": "sometimes"}}})
+    result = trainkit(tmp_path, "run", str(bad), **ext)
+    assert result.returncode == 2, result.output
+    assert "DeepSpeed rejects the config built from this recipe" in result.stderr
+    assert "overlap_comm" in result.stderr and not (tmp_path / "runs").exists()
+
+
+def test_deepspeed_recipe_runs_end_to_end(tmp_path, ext):
+    result = trainkit(tmp_path, "run", str(RECIPES / "deepspeed-zero3-mlp.yaml"), "trainer.max_steps=4",
+                      "trainer.log_every=2", f"launch.run_dir={tmp_path / 'runs'}", "tracking.enabled=false",
+                      "data.num_samples=256", "scheduler.warmup_steps=1", **ext)
+    assert result.returncode == 0, result.output[-6000:]
+    s = summary(tmp_path / "runs" / "deepspeed-zero3-mlp")
+    assert s["steps"] == 4 and s["world_size"] == 2

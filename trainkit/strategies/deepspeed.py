@@ -1,0 +1,214 @@
+"""DeepSpeed ZeRO (stages 0-3), launched under torchrun like every other strategy.
+
+`ds_config_for(recipe)` is the single place the DeepSpeed config is made: the strategy block
+(zero_stage, offloads, pass-through `config`) plus precision, grad_accum_steps, grad_clip and the
+batch size. `trainkit plan` prints it and preflight runs it through DeepSpeed's own parser
+(`DeepSpeedConfig`) before anything starts. The optimizer is trainkit's own torch optimizer
+(no compiled fused/CPU Adam needed); DeepSpeed owns accumulation, clipping and its checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..recipe.blocks import DeepSpeedOptions
+from .base import Strategy
+
+TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def ds_config_for(recipe) -> dict:
+    """The DeepSpeed config a recipe implies (train_batch_size is left for DeepSpeed to derive:
+    micro batch x accumulation x data-parallel world size)."""
+    s: DeepSpeedOptions = recipe.strategy
+    t = recipe.trainer
+    zero: dict = {"stage": s.zero_stage}
+    if s.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": s.offload_optimizer, "pin_memory": torch_cuda_available()}
+    if s.offload_param != "none":
+        zero["offload_param"] = {"device": s.offload_param, "pin_memory": torch_cuda_available()}
+    config: dict = {
+        "train_micro_batch_size_per_gpu": recipe.data.batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "gradient_clipping": float(t.grad_clip) if t.grad_clip else 0.0,  # DeepSpeed's default is 1.0, not off
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # trainkit's torch optimizer
+        "zero_force_ds_cpu_optimizer": False,  # ... also with optimizer offload (no compiled CPU Adam)
+        "steps_per_print": 2**31 - 1,
+    }
+    if recipe.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif recipe.precision == "fp16":
+        scale = t.loss_scale
+        config["fp16"] = {"enabled": True, "loss_scale": 0 if scale == "dynamic" else float(scale)}
+    return _merge(config, s.config)
+
+
+def torch_cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _import_deepspeed():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+class DeepSpeedStrategy(Strategy):
+    options: DeepSpeedOptions
+
+    def setup(self, model: nn.Module, optimizer_factory):
+        deepspeed = _import_deepspeed()
+        self.config = ds_config_for(self.recipe)
+        optimizer = optimizer_factory(model.parameters())
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
+                                               dist_init_required=False)
+        self.engine = engine
+        self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.recipe.precision)
+        # The scheduler steps the torch optimizer's param_groups, which the ZeRO optimizer shares.
+        return engine, optimizer
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's bf16/fp16 modules need inputs of their dtype (the caller's job)."""
+        return x.to(self.input_dtype) if self.input_dtype is not None and x.is_floating_point() else x
+
+    def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
+        """engine.backward scales by 1/accumulation itself; engine.step() on non-boundary micro-steps
+        only advances DeepSpeed's micro-step counter."""
+        loss = loss_fn(model(self._cast(x)).float(), y)
+        model.backward(loss)
+        if not model.is_gradient_accumulation_boundary():
+            model.step()
+        return loss.detach().float() / grad_accum_steps
+
+    def optimizer_step(self, model, optimizer, precision, max_norm):
+        model.step()  # clipping (gradient_clipping), loss scaling, step and zero_grad happen inside
+        if not max_norm:
+            return None
+        norm = model.get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(float(norm))
+
+    def eval_forward(self, model, x, precision):
+        return model(self._cast(x)).float()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
+        """ZeRO-3 partitions parameters: gather them so every rank hashes the whole model."""
+        params = list(self.unwrap(model).parameters())
+        if self.options.zero_stage == 3:
+            deepspeed = _import_deepspeed()
+            with deepspeed.zero.GatheredParameters(params):
+                tensors = [p.detach().clone() for p in params]
+            yield from tensors
+        else:
+            for p in params:
+                yield p.detach()
+
+    # ---- checkpoints: DeepSpeed's own (every rank writes its partitions) in FOLDER/zero/
+    def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+        # top-level marker (hashed into meta.json with the other top-level files)
+        if self.rank == 0:
+            from ..runtime.checkpoint import fsync_save
+
+            fsync_save({"tag": TAG, "zero_stage": self.options.zero_stage, "world_size": self.world_size},
+                       folder / "deepspeed.pt")
+
+    def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        path, _ = model.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
+                                        load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"{folder / TAG}: DeepSpeed found no checkpoint to load")
+
+    # ---- class-level hooks
+    @classmethod
+    def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
+        """The config through DeepSpeed's own parser, and the pieces this machine cannot run."""
+        try:
+            deepspeed = _import_deepspeed()
+            from deepspeed.runtime.config import DeepSpeedConfig
+        except Exception as exc:
+            yield ("strategy", "name"), f"deepspeed cannot be imported here ({type(exc).__name__}: {exc}); " \
+                "install it with the README's set-up command", "error"
+            return
+        config = ds_config_for(recipe)
+        try:
+            DeepSpeedConfig(copy.deepcopy(config))
+        except Exception as exc:
+            yield ("strategy", "config"), f"DeepSpeed rejects the config built from this recipe: " \
+                f"{type(exc).__name__}: {exc}", "error"
+        s = recipe.strategy
+        if "nvme" in (s.offload_optimizer, s.offload_param):
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            if not AsyncIOBuilder().is_compatible(verbose=False):
+                key = "offload_optimizer" if s.offload_optimizer == "nvme" else "offload_param"
+                yield ("strategy", key), "nvme offload needs DeepSpeed's async_io op, which cannot be built on " \
+                    "this machine (libaio development files missing); use cpu or none", "error"
+        accel = deepspeed.accelerator.get_accelerator()
+        if accel.device_name() == "cpu":
+            if recipe.precision == "fp16":
+                yield ("precision",), "DeepSpeed's CPU accelerator has no fp16 training; use bf16 or fp32", "error"
+            if shutil.which("ninja") is None and not _have_ninja_module():
+                yield ("strategy", "name"), "DeepSpeed on CPU JIT-compiles its shared-memory comm op and needs " \
+                    "ninja and a C++ compiler, which are missing here", "error"
+            elif shutil.which(os.environ.get("CXX", "c++")) is None:
+                yield ("strategy", "name"), "DeepSpeed on CPU JIT-compiles its shared-memory comm op and needs " \
+                    "a C++ compiler (c++), which is missing here", "error"
+
+    @classmethod
+    def plan_lines(cls, recipe) -> list[str]:
+        """For `trainkit plan`: the DeepSpeed config exactly as the engine will get it."""
+        import json
+
+        ws = recipe.world_size
+        derived = recipe.data.batch_size * recipe.trainer.grad_accum_steps * ws if ws else "?"
+        return [f"ds_config:       {json.dumps(ds_config_for(recipe), sort_keys=True)}",
+                f"                 (train_batch_size derived by DeepSpeed: {derived})"]
+
+    @classmethod
+    def owns_checkpoint(cls, folder: Path) -> bool:
+        return (folder / "deepspeed.pt").is_file()
+
+    @classmethod
+    def consolidated_state_dict(cls, folder: Path) -> dict:
+        """fp32 weights reassembled from the ZeRO partitions (stage 0: the module file)."""
+        info = torch.load(folder / "deepspeed.pt", weights_only=False)
+        tag = info["tag"]
+        if info["zero_stage"] == 0:
+            return torch.load(folder / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                              weights_only=False)["module"]
+        _import_deepspeed()
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
+
+
+def _have_ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
