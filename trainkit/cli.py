@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("doctor", help="can this machine run it? versions, GPUs, ports, /dev/shm, limits, disk, data "
+                       "(exit 1 if any check fails)")
+    p.add_argument("recipe", nargs="?", metavar="RECIPE", help="without it: machine-level checks only")
+    _add_overrides(p)
+    p.add_argument("--format", choices=["text", "json"], default="text", help="text for people, json for CI")
+    p.set_defaults(func=cmd_doctor)
+
     p = sub.add_parser("export", help="write a checkpoint's model as one consolidated state_dict file (any strategy)")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="e.g. runs/NAME/checkpoints/step-00000100")
     p.add_argument("out", metavar="OUT.pt", help="file for torch.load + model.load_state_dict")
@@ -74,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sync", help="deliver a run's spooled tracking records (after a server outage)")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.set_defaults(func=cmd_sync)
+
+    p = sub.add_parser("report", help="the bottleneck report of a past run (from RUN_DIR/reports/breakdown.json)")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("data", help="data helpers")
     data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -162,6 +173,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return launcher.run(resolved, args.recipe, list(args.overrides))
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Exit 0: nothing failed (warnings allowed); 1: some check failed; 2: the recipe is invalid."""
+    from . import doctor
+
+    resolved = None
+    if args.recipe:
+        from .recipe import resolve
+
+        resolved = resolve(args.recipe, args.overrides)
+    checks = doctor.run_checks(resolved)
+    if args.format == "json":
+        print(doctor.as_json(checks, args.recipe))
+    else:
+        print(doctor.table(checks, f"trainkit doctor: {args.recipe or 'this machine (no recipe)'}"))
+    return EXIT_FAILED if doctor.exit_code(checks) else EXIT_OK
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .runtime.export import ExportError, export
 
@@ -221,6 +249,24 @@ def cmd_sync(args: argparse.Namespace) -> int:
         print(f"trainkit: {pending} record(s) still pending: {error}", file=sys.stderr)
         return EXIT_FAILED
     print(f"trainkit: all tracking records delivered to run {state.get('run_id')} in {state.get('uri')}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .monitors.bottleneck import diagnose
+    from .recipe import resolve
+
+    run_dir = Path(args.run_dir)
+    evidence_path = run_dir / "reports" / "breakdown.json"
+    if not evidence_path.is_file():
+        print(f"trainkit: {evidence_path} not found: is {run_dir} a finished trainkit run directory?", file=sys.stderr)
+        return EXIT_INVALID
+    evidence = json.loads(evidence_path.read_text())
+    recipe = resolve(run_dir / "recipe.yaml").recipe
+    print(diagnose(evidence["per_rank"], recipe).markdown(recipe.name), end="")
     return EXIT_OK
 
 

@@ -131,6 +131,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     recipe = resolved.recipe
     run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarts are flaky without it (pytorch#135712)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's C++ chatter is not for the console
     in_process = recipe.world_size == 1
     print(f"trainkit: run {recipe.name}: {recipe.world_size or recipe.launch.nnodes} process(es)"
           f"{' in-process' if in_process else ''}, run dir {run_dir}", flush=True)

@@ -135,7 +135,10 @@ class DeepSpeedOptions(StrategyOptions):
 
 # --------------------------------------------------------------------------- monitors
 class MonitorOptions(PluginBlock):
-    pass
+    # what the loop must measure for this monitor (off unless some enabled monitor asks)
+    needs_forward_time: ClassVar[bool] = False
+    needs_comm_time: ClassVar[bool] = False
+    precise_timing: ClassVar[bool] = False  # CUDA events around the step phases
 
 
 class SystemMonitorOptions(MonitorOptions):
@@ -166,6 +169,9 @@ class BreakdownMonitorOptions(MonitorOptions):
     """Per-step data-wait / forward / backward / optimizer times, gathered from all ranks."""
 
     component: ClassVar[str] = "trainkit.monitors.breakdown:BreakdownMonitor"
+    needs_forward_time: ClassVar[bool] = True
+    needs_comm_time: ClassVar[bool] = True
+    precise_timing: ClassVar[bool] = True
     name: Literal["breakdown"]
 
 
@@ -193,6 +199,8 @@ class StragglersMonitorOptions(MonitorOptions):
     """Flags ranks that arrive late at the gradient collective."""
 
     component: ClassVar[str] = "trainkit.monitors.stragglers:StragglersMonitor"
+    needs_forward_time: ClassVar[bool] = True
+    needs_comm_time: ClassVar[bool] = True
     name: Literal["stragglers"]
     every: PositiveInt = Field(default=10, description="steps between gathers")
     margin: PositiveFloat = Field(default=0.2, description="fraction slower than the median that counts as late")

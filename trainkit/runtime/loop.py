@@ -13,7 +13,10 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from ..monitors.base import MonitorSet, StepTimes
 from ..recipe.schema import Recipe
+from .stats import RunStats
+from .timing import Clock
 
 
 @dataclass
@@ -44,6 +47,14 @@ class Loop:
     progress: object = None
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)
     loss_fn: nn.Module = field(default_factory=nn.CrossEntropyLoss)
+    monitors: MonitorSet = None  # every rank; empty unless the recipe names monitors
+    stats: RunStats = field(default_factory=RunStats)
+    clock: Clock = None
+    _forward_marks: Optional[list] = None
+
+    def __post_init__(self):
+        self.clock = self.clock or Clock(self.device, precise=False)
+        self.monitors = self.monitors if self.monitors is not None else MonitorSet([], None)
 
     # ------------------------------------------------------------------ data
     def batches(self) -> Iterator:
@@ -70,17 +81,41 @@ class Loop:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ one optimizer step
-    def train_step(self, data: Iterator) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def train_step(self, data: Iterator) -> tuple[torch.Tensor, Optional[torch.Tensor], StepTimes]:
         accum = self.recipe.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
+        clock, t_start = self.clock, time.perf_counter()
+        data_wait = compute = 0.0
+        forward = 0.0 if self._forward_marks is not None else None
         for micro in range(accum):
+            t0 = time.perf_counter()
             x, y = self._to_device(next(data))
+            data_wait += time.perf_counter() - t0
+            c0 = clock.mark()
             total += self.strategy.forward_backward(self.model, x, y, self.loss_fn, self.precision,
                                                     grad_accum_steps=accum, last_micro_step=micro == accum - 1)
+            c1 = clock.mark()
+            compute += clock.seconds(c0, c1)
+            if self._forward_marks:
+                forward += clock.seconds(c0, self._forward_marks[0])
+                self._forward_marks.clear()
+        o0 = clock.mark()
         grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
                                                  self.recipe.trainer.grad_clip)
         self.scheduler.step()
-        return total, grad_norm
+        optimizer = clock.seconds(o0, clock.mark())
+        timer = self.strategy.comm_timer
+        comm = timer.take()[0] if timer is not None else None
+        times = StepTimes(data_wait=data_wait, compute=compute, optimizer=optimizer,
+                          total=time.perf_counter() - t_start, forward=forward, comm=comm)
+        return total, grad_norm, times
+
+    def enable_timing(self, *, forward: bool, precise: bool) -> None:
+        """Measure forward separately (a forward hook) and/or with CUDA events; off by default."""
+        self.clock = Clock(self.device, precise)
+        if forward and self._forward_marks is None:
+            self._forward_marks = []
+            self.model.register_forward_hook(lambda *_: self._forward_marks.append(self.clock.mark()))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -117,9 +152,13 @@ class Loop:
         metrics: dict = {}
         data = self.batches()
         self.model.train()
+        self.monitors.call("on_run_start")
         while self.state.step < t.max_steps:
-            loss, grad_norm = self.train_step(data)
+            self.monitors.call("on_step_start", self.state.step + 1)
+            loss, grad_norm, times = self.train_step(data)
             self.state.step += 1
+            self.stats.add(times)
+            self.monitors.call("on_step_end", self.state.step, times)
             self.state.samples += global_batch
             step = self.state.step
             if self.progress:
@@ -131,17 +170,24 @@ class Loop:
                            "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
+                metrics.update(self.stats.interval_means())  # step_time_s, data_wait_s (this rank)
                 if self.eval_loader is not None and t.eval_every and (step % t.eval_every == 0 or last):
-                    metrics.update(self.evaluate())
+                    evaluated = self.evaluate()
+                    self.monitors.call("on_eval", step, evaluated)
+                    metrics.update(evaluated)
+                metrics.update(self.monitors.log_step(step))
                 for sink in self.sinks:
                     sink.log(metrics, step)
             if (t.checkpoint.every and step % t.checkpoint.every == 0) or last:
                 last_ckpt = self.checkpointer.save(step, self.model, self.optimizer, self.trainer_state())
+                self.monitors.call("on_checkpoint", step, last_ckpt)
             for hook in self.step_hooks:
                 hook(step)
         if self.progress:
             self.progress.close()
         elapsed = time.perf_counter() - t0
+        per_rank_stats = self.stats.gather(self.strategy.world_size)
+        report_sections = self.monitors.finish()
         skipped = int(self.strategy.all_reduce_sum(torch.tensor(self.state.skipped_images)).item())
         done = self.state.step - start_step
         return {
@@ -152,6 +198,7 @@ class Loop:
             "wall_s": elapsed, "global_batch": global_batch, "world_size": self.strategy.world_size,
             "skipped_images": skipped,
             "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "per_rank_times": per_rank_stats, "report_sections": report_sections,
         }
 
 

@@ -76,6 +76,40 @@ def fault_hook(rank: int) -> Optional[callable]:
     return hook
 
 
+def fault_delay(rank: int):
+    """Test-only: TRAINKIT_FAULT_DELAY="rank=1,ms=40" slows that rank's every forward (a straggler)."""
+    spec = os.environ.get("TRAINKIT_FAULT_DELAY")
+    if not spec:
+        return None
+    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    if int(fields.get("rank", -1)) != rank:
+        return None
+    import time
+
+    seconds = float(fields.get("ms", "50")) / 1000
+
+    def delay(module, args):
+        time.sleep(seconds)
+
+    return delay
+
+
+def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
+    """reports/breakdown.json (the evidence) and reports/bottleneck.md; returns the console lines."""
+    from ..monitors.bottleneck import diagnose
+
+    reports = run_dir / "reports"
+    reports.mkdir(exist_ok=True)
+    evidence = {"name": recipe.name, "per_rank": summary.pop("per_rank_times"),
+                "steps": summary["steps"], "world_size": summary["world_size"]}
+    (reports / "breakdown.json").write_text(json.dumps(evidence, indent=2) + "\n")
+    diagnosis = diagnose(evidence["per_rank"], recipe)
+    sections = summary.pop("report_sections", [])
+    (reports / "bottleneck.md").write_text(diagnosis.markdown(recipe.name) + "".join("\n" + s for s in sections))
+    summary["bottleneck"] = diagnosis.kind
+    return diagnosis.console()
+
+
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
     """Build the components from the recipe and run the loop; returns the summary (rank 0 meaningful)."""
     from .checkpoint import Checkpointer, recipe_hash, resume_source
@@ -94,6 +128,10 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     precision = Precision(recipe.precision, device, recipe.trainer.loss_scale)
     strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision,
                                                    recipe=recipe)
+    if any(type(m).needs_comm_time for m in recipe.monitors):
+        from .timing import CommTimer
+
+        strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
     seed_everything(seed + rank)  # per-rank randomness (augmentation, dropout)
@@ -110,9 +148,17 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
 
     ckpt_dir = run_dir / "checkpoints"
     checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_hash(recipe_data))
+    from ..monitors.base import build_monitors, context
+
+    monitors = build_monitors(recipe, context(recipe, strategy, model, device, run_dir))
     loop = Loop(recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler, strategy=strategy,
                 precision=precision, train_loader=train_loader, eval_loader=eval_loader,
-                checkpointer=checkpointer, device=device)
+                checkpointer=checkpointer, device=device, monitors=monitors)
+    loop.enable_timing(forward=any(type(m).needs_forward_time for m in recipe.monitors),
+                       precise=any(type(m).precise_timing for m in recipe.monitors))
+    delay = fault_delay(rank)
+    if delay:
+        model.register_forward_pre_hook(delay)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     source = resume_source(recipe.trainer.resume, ckpt_dir, restart, warn=rank == 0)
     if source is not None:
@@ -133,6 +179,9 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         loop.step_hooks.append(hook)
     try:
         summary = loop.run()
+    except BaseException as exc:
+        monitors.call("on_exception", exc)
+        raise
     finally:
         for sink in loop.sinks:
             if sink is not loop.progress:
@@ -198,7 +247,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         summary = train(run_dir, recipe, resolved.data, device)
         if dist.get_rank() == 0:
+            console = write_reports(run_dir, recipe, summary)
             report(run_dir, summary)
+            print(console, flush=True)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
     except Exception as exc:
         _fail(exc)

@@ -30,6 +30,8 @@ class Strategy:
             clipping at construction (DeepSpeed builds its config from them).
     """
 
+    comm_timer = None  # a runtime.timing.CommTimer, set before setup() when a monitor measures communication
+
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
 

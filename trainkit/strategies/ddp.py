@@ -28,18 +28,26 @@ class DDPStrategy(Strategy):
         return ddp, optimizer_factory(ddp.parameters())
 
     def _register_hook(self, ddp: DDP) -> None:
+        """The recipe's comm hook; timed when a monitor measures communication (`comm_timer`)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        hook = self.options.comm_hook
+        from ..runtime.timing import timed_hook
+
+        hook, state = self.options.comm_hook, None
         if hook == "fp16_compress":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            fn = default_hooks.fp16_compress_hook
         elif hook == "bf16_compress":
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            fn = default_hooks.bf16_compress_hook
         elif hook == "powersgd":
             state = powerSGD_hook.PowerSGDState(process_group=None,
                                                 matrix_approximation_rank=self.options.powersgd_rank,
                                                 start_powerSGD_iter=2)
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            fn = powerSGD_hook.powerSGD_hook
+        elif self.comm_timer is not None:
+            fn = default_hooks.allreduce_hook  # the built-in all-reduce, as a hook we can time
+        else:
+            return  # DDP's built-in C++ all-reduce: nothing to wrap
+        ddp.register_comm_hook(state, timed_hook(fn, self.comm_timer))
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()

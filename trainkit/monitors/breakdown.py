@@ -1,0 +1,45 @@
+"""`breakdown`: per step, data wait / forward / backward (incl. gradient communication) / optimizer,
+gathered from every rank. On CUDA the phases are timed with CUDA events (see runtime.timing)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .base import Monitor, StepTimes
+
+PHASES = ("data_wait", "forward", "backward", "optimizer", "comm", "total")
+
+
+class BreakdownMonitor(Monitor):
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        self.window: dict = {}
+
+    def on_step_end(self, step: int, times: StepTimes) -> None:
+        values = {"data_wait": times.data_wait, "optimizer": times.optimizer, "total": times.total}
+        if times.forward is not None:
+            values["forward"] = times.forward
+            values["backward"] = times.compute - times.forward
+        if times.comm is not None:
+            values["comm"] = times.comm
+        self.window["steps"] = self.window.get("steps", 0) + 1
+        for k, v in values.items():
+            self.window[k] = self.window.get(k, 0.0) + v
+
+    def collect(self, step: int) -> dict:
+        n, window = self.window.get("steps", 0), self.window
+        self.window = {}
+        return {k: window[k] / n for k in PHASES if n and k in window}
+
+    def report(self, step: int, per_rank: list[dict]) -> dict:
+        out = {}
+        for phase in PHASES:
+            values = [r[phase] for r in per_rank if phase in r]
+            if values:
+                out[f"breakdown/{phase}_s"] = sum(values) / len(values)
+                if len(values) > 1:
+                    out[f"breakdown/{phase}_max_s"] = max(values)
+        return out
+
+    def finish(self, per_rank: list[dict]) -> Optional[str]:
+        return None  # the run report's table comes from the loop's own run-long statistics

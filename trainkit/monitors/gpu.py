@@ -1,0 +1,50 @@
+"""`gpu`: utilisation, memory, power and temperature of this rank's GPU via NVML (nvidia-ml-py).
+Without a GPU or NVML it says so once and does nothing."""
+
+from __future__ import annotations
+
+import sys
+
+from .base import Monitor
+
+MB = 1024 * 1024
+
+
+class GpuMonitor(Monitor):
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        self.handle = None
+        if ctx.device.type != "cuda":
+            if ctx.rank == 0:
+                print("trainkit: gpu monitor: no GPU in use; it reports nothing", file=sys.stderr, flush=True)
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            index = ctx.device.index or 0
+            import os
+
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible:
+                ids = [v.strip() for v in visible.split(",")]
+                if ids[index].isdigit():
+                    index = int(ids[index])
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception as exc:
+            if ctx.rank == 0:
+                print(f"trainkit: gpu monitor: NVML unavailable ({exc}); it reports nothing", file=sys.stderr)
+
+    def collect(self, step: int) -> dict:
+        if self.handle is None:
+            return {}
+        n = self.nvml
+        util = n.nvmlDeviceGetUtilizationRates(self.handle)
+        mem = n.nvmlDeviceGetMemoryInfo(self.handle)
+        return {"utilization_percent": float(util.gpu), "memory_utilization_percent": float(util.memory),
+                "memory_used_mb": mem.used / MB, "power_w": n.nvmlDeviceGetPowerUsage(self.handle) / 1000.0,
+                "temperature_c": float(n.nvmlDeviceGetTemperature(self.handle, n.NVML_TEMPERATURE_GPU))}
+
+    def report(self, step: int, per_rank: list[dict]) -> dict:
+        return {f"gpu/rank{r}/{k}": v for r, values in enumerate(per_rank) for k, v in values.items()}

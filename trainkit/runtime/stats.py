@@ -1,0 +1,57 @@
+"""Per-rank running means of the step phases: the evidence the bottleneck report reasons from."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ..monitors.base import StepTimes
+
+WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up
+FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm")
+
+
+@dataclass
+class RunStats:
+    seen: int = 0
+    run: dict = field(default_factory=dict)
+    interval: dict = field(default_factory=dict)
+
+    def add(self, times: StepTimes) -> None:
+        self.seen += 1
+        if self.seen <= WARMUP_STEPS:
+            return
+        for bucket in (self.run, self.interval):
+            bucket["steps"] = bucket.get("steps", 0) + 1
+            for name in FIELDS:
+                value = getattr(times, name)
+                if value is not None:
+                    bucket[name] = bucket.get(name, 0.0) + value
+
+    def interval_means(self) -> dict:
+        """Mean step time and data wait since the last call (this rank), for the metric log."""
+        n = self.interval.get("steps", 0)
+        out = {} if not n else {"step_time_s": self.interval["total"] / n, "data_wait_s": self.interval["data_wait"] / n}
+        self.interval = {}
+        return out
+
+    def means(self) -> dict:
+        n = self.run.get("steps", 0)
+        out = {"steps": n, "host": socket.gethostname(), "rank": dist.get_rank() if dist.is_initialized() else 0}
+        for name in FIELDS:
+            if n and name in self.run:
+                out[name] = self.run[name] / n
+        if "forward" in out:
+            out["backward"] = out["compute"] - out["forward"]
+        return out
+
+    def gather(self, world_size: int) -> list[dict]:
+        """Every rank's means, on every rank (one collective at the end of the run)."""
+        mine = self.means()
+        if world_size == 1 or not dist.is_initialized():
+            return [mine]
+        out: list = [None] * world_size
+        dist.all_gather_object(out, mine)
+        return out
