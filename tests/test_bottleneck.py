@@ -1,0 +1,74 @@
+"""Planted faults, 2 gloo ranks: the end-of-run report names what is slow, with its numbers and the
+recipe change that fixes it; profiler traces reach MLflow per rank as valid Chrome traces."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from run_helpers import mlp_recipe, trainkit
+
+pytestmark = pytest.mark.distributed
+
+
+def report(tmp_path, name) -> str:
+    return (tmp_path / "runs" / name / "reports" / "bottleneck.md").read_text()
+
+
+def test_slow_dataset_without_workers_is_data_bound_and_advice_names_num_workers(tmp_path):
+    recipe = mlp_recipe(tmp_path, "slowdata", data={"sleep_ms": 2.0, "num_workers": 0},
+                        monitors=["breakdown"])
+    result = trainkit(tmp_path, "run", str(recipe))
+    assert result.returncode == 0, result.output
+    text = report(tmp_path, "slowdata")
+    share = int(re.search(r"\*\*data-bound\*\*: (\d+)% of each step waits for data", text).group(1))
+    assert share >= 50  # 8 samples x 2 ms of sleep per step dwarfs a tiny MLP's compute
+    first = re.search(r"^1\. (.*)$", text, re.M).group(1)
+    assert first.startswith("set data.num_workers: ") and f"({share}%)" in first
+    assert "trainkit: bottleneck: data-bound" in result.stdout
+
+
+def test_a_delayed_rank_is_flagged_as_the_straggler_with_its_host(tmp_path):
+    recipe = mlp_recipe(tmp_path, "straggler", monitors=[{"name": "stragglers", "every": 4}])
+    result = trainkit(tmp_path, "run", str(recipe), TRAINKIT_FAULT_DELAY="rank=1,ms=30")
+    assert result.returncode == 0, result.output
+    text = report(tmp_path, "straggler")
+    host = socket.gethostname()
+    assert f"**straggler-bound**: rank 1 on {host} needs" in text
+    assert "- rank 1: flagged in" in text and "- rank 0" not in text  # the monitor's own section
+    assert f"straggler: rank 1 on {host}" in result.stderr  # reported while it runs, too
+
+
+def test_tiny_buckets_on_a_wide_model_report_communication_and_bucket_advice(tmp_path):
+    recipe = mlp_recipe(tmp_path, "chatty",
+                        model={"name": "mlp", "args": {"in_features": 48, "hidden": 1024, "depth": 6, "num_classes": 4}},
+                        strategy={"name": "ddp", "bucket_cap_mb": 0.01}, monitors=["breakdown"])
+    result = trainkit(tmp_path, "run", str(recipe))
+    assert result.returncode == 0, result.output
+    text = report(tmp_path, "chatty")
+    comm = float(re.search(r"gradient communication in flight \d+% of the step \(([\d.]+) ms\)", text).group(1))
+    assert comm > 0
+    assert "**communication-bound**" in text
+    assert "raise strategy.bucket_cap_mb from 0.01 to 25" in text
+
+
+def test_profiler_traces_are_mlflow_artifacts_per_rank_and_valid_chrome_json(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    recipe = mlp_recipe(tmp_path, "profiled", tracking={"experiment": "prof", "uri": uri, "enabled": True},
+                        monitors=[{"name": "profiler", "wait": 1, "warmup": 1, "active": 2, "ranks": [0, 1]}])
+    result = trainkit(tmp_path, "run", str(recipe))
+    assert result.returncode == 0, result.output
+    client = MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name("prof").experiment_id])[0]
+    traces = [a.path for a in client.list_artifacts(run.info.run_id, "profiler") if a.path.endswith(".json")]
+    assert sorted(t.split("/")[-1].split("-")[0] for t in traces) == ["rank0", "rank1"]
+    for path in traces:
+        local = client.download_artifacts(run.info.run_id, path, str(tmp_path))
+        trace = json.loads(open(local).read())
+        assert trace["traceEvents"] and any(e.get("ph") == "X" for e in trace["traceEvents"])
+    reports = {a.path for a in client.list_artifacts(run.info.run_id, "reports")}
+    assert "reports/bottleneck.md" in reports
