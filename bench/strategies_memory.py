@@ -1,0 +1,256 @@
+"""Per-rank memory and step time of one ~105M-parameter model under DDP, FSDP, ZeRO-2 and ZeRO-3
+(2 ranks), side by side in one run, plus the pipeline bubble (measured vs ideal step time).
+
+    python bench/strategies_memory.py [--steps 4] [--out results.json]
+
+Each strategy runs in its own `torchrun --standalone --nproc-per-node 2` group (so peaks do not
+mix) through trainkit's own Strategy classes -- the same setup / forward_backward /
+optimizer_step calls the training loop makes. Per rank it reports:
+
+- model+optimizer state bytes: unique storages of the parameters this rank holds (FSDP: its DTensor
+  shards; ZeRO-3: its partition), the optimizer's parameter copies and its state (AdamW moments),
+  measured after a step. Gradients and communication buffers are transient and not included.
+- peak RSS (CPU; ru_maxrss) or torch.cuda.max_memory_allocated (GPU). RSS includes the Python +
+  torch runtime (~0.3-0.5 GB) and the full model every rank builds before sharding.
+- step time: median of the measured steps (after one warm-up step), 2 ranks x batch 8.
+
+Pipeline: 2 stages (balanced by parameters), global batch 16 in 4 micro-batches. The ideal step of
+GPipe/1F1B with S stages and M micro-batches is (M + S - 1) x t_mb + t_opt, where t_mb is the
+slowest stage's forward+backward per micro-batch, measured alone on each rank (no pipeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": 7}}
+CONFIGS = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "zero2": {"name": "deepspeed", "zero_stage": 2},
+    "zero3": {"name": "deepspeed", "zero_stage": 3},
+    "pipeline-gpipe": {"name": "pipeline", "schedule": "gpipe", "microbatches": 4},
+    "pipeline-1f1b": {"name": "pipeline", "schedule": "1f1b", "microbatches": 4},
+}
+BATCH_PER_RANK = 8
+
+
+def write_recipe(folder: Path, label: str, strategy: dict) -> Path:
+    import yaml
+
+    pipeline = strategy["name"] == "pipeline"
+    recipe = {
+        "name": f"bench-{label}", "seed": 0, "model": MODEL,
+        "data": {"name": "synthetic", "batch_size": BATCH_PER_RANK * (2 if pipeline else 1), "num_samples": 64,
+                 "shape": [1024], "num_classes": 10},
+        "strategy": strategy, "precision": "fp32",
+        "optimizer": {"name": "adamw", "lr": 1.0e-4},
+        "trainer": {"max_steps": 10}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False},
+    }
+    path = folder / f"{label}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+# --------------------------------------------------------------------------- one rank
+def state_bytes(strategy, model, optimizer) -> int:
+    """Unique storages of the parameters this rank holds + the optimizer's copies and state."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+
+    def add(t):
+        if not isinstance(t, torch.Tensor):
+            return
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        t = getattr(t, "ds_tensor", t)  # ZeRO-3: the partition this rank owns
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+
+    for p in strategy.unwrap(model).parameters():
+        add(p)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            add(p)
+    for st in optimizer.state.values():
+        for v in st.values():
+            add(v)
+    return sum(seen.values())
+
+
+def worker(recipe_path: str, steps: int, out: str) -> None:
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from trainkit import registry
+    from trainkit.recipe import resolve
+    from trainkit.runtime.model import build_model
+    from trainkit.runtime.optim import build_optimizer
+    from trainkit.runtime.precision import Precision
+
+    recipe = resolve(recipe_path).recipe
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model(recipe.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    precision = Precision(recipe.precision, device)
+    strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision, recipe=recipe)
+    model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(1 + strategy.data_parallel_rank)
+    x = torch.randn(recipe.data.batch_size, 1024, generator=g).to(device)
+    y = torch.randint(0, 10, (recipe.data.batch_size,), generator=g).to(device)
+    times, opt_times = [], []
+    for i in range(steps + 1):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        strategy.forward_backward(model, x, y, loss_fn, precision, grad_accum_steps=1, last_micro_step=True)
+        t1 = time.perf_counter()
+        strategy.optimizer_step(model, optimizer, precision, None)
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t2 = time.perf_counter()
+        if i:  # the first step allocates optimizer state and warms up
+            times.append(t2 - t0)
+            opt_times.append(t2 - t1)
+    result = {"rank": rank, "params": n_params, "state_bytes": state_bytes(strategy, model, optimizer),
+              "step_s": statistics.median(times), "optimizer_s": statistics.median(opt_times),
+              "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda
+              else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS"}
+    if recipe.strategy.name == "pipeline":
+        result.update(stage_alone(strategy, model, x, loss_fn, recipe.strategy.microbatches, device))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def stage_alone(strategy, model, x, loss_fn, microbatches: int, device) -> dict:
+    """Forward+backward of this rank's stage on one micro-batch, without the pipeline (its input is
+    made by running the earlier blocks of a local copy of the model)."""
+    import torch
+
+    from trainkit.runtime.model import build_model
+    from trainkit.recipe.blocks import ModelSpec
+    from trainkit.strategies.pipeline import flatten_blocks
+
+    full = build_model(ModelSpec(**MODEL))
+    blocks = dict(flatten_blocks(full))
+    stage = strategy.modules[0]
+    first = list(blocks).index(stage.names[0])
+    mb = x[: x.shape[0] // microbatches]
+    with torch.no_grad():
+        h = mb
+        for name in list(blocks)[:first]:
+            h = blocks[name](h)
+    samples = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        out = stage(h.detach().requires_grad_(first > 0))
+        (out.float().sum() if out.shape[-1] != 10 else loss_fn(out, torch.zeros(out.shape[0], dtype=torch.long,
+                                                                                     device=device))).backward()
+        samples.append(time.perf_counter() - t0)
+    stage.zero_grad(set_to_none=True)
+    return {"stage_mb_s": statistics.median(samples[1:])}
+
+
+# --------------------------------------------------------------------------- the driver
+def launch(label: str, recipe: Path, steps: int, folder: Path, timeout: int) -> list[dict]:
+    out = folder / f"{label}.json"
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DS_ACCELERATOR="cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, "--worker", str(recipe), "--steps", str(steps), "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label} failed:\n{proc.stderr[-4000:]}")
+    print(f"  {label}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(out.read_text())
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    gb = 1024**3
+    ddp = results["ddp"]
+    ddp_state = max(r["state_bytes"] for r in ddp)
+    ddp_peak = max(r["peak_bytes"] for r in ddp)
+    ddp_step = max(r["step_s"] for r in ddp)
+    kind = ddp[0]["peak_kind"]
+    lines = [f"| strategy | model+optimizer state / rank (GiB) | vs DDP | {kind} / rank (GiB) | vs DDP | "
+             f"step time (s) | vs DDP |", "|---|---|---|---|---|---|---|"]
+    for label in ("ddp", "fsdp", "zero2", "zero3"):
+        rs = results[label]
+        state, peak, step = (max(r[k] for r in rs) for k in ("state_bytes", "peak_bytes", "step_s"))
+        per_rank = ", ".join(f"{r['state_bytes'] / gb:.2f}" for r in rs)
+        lines.append(f"| {label} | {state / gb:.2f} ({per_rank}) | "
+                     f"{state / ddp_state:.2f}x | {peak / gb:.2f} | {peak / ddp_peak:.2f}x | {step:.2f} | "
+                     f"{step / ddp_step:.2f}x |")
+    lines += ["", "| pipeline schedule | measured step (s) | slowest stage fwd+bwd / micro-batch (s) | "
+              "ideal step (M+S-1) x t_mb + t_opt (s) | measured / ideal | ideal bubble (S-1)/(M+S-1) |",
+              "|---|---|---|---|---|---|"]
+    for label in ("pipeline-gpipe", "pipeline-1f1b"):
+        rs = results[label]
+        m, s = 4, 2
+        t_mb = max(r["stage_mb_s"] for r in rs)
+        t_opt = max(r["optimizer_s"] for r in rs)
+        measured = max(r["step_s"] for r in rs)
+        ideal = (m + s - 1) * t_mb + t_opt
+        lines.append(f"| {label.split('-', 1)[1]} | {measured:.3f} | {t_mb:.3f} | {ideal:.3f} | "
+                     f"{measured / ideal:.2f}x | {(s - 1) / (m + s - 1):.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per strategy (after 1 warm-up)")
+    ap.add_argument("--out", help="JSON file for the raw per-rank results")
+    ap.add_argument("--only", nargs="*", choices=list(CONFIGS), help="a subset (the table needs all)")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per strategy")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.out)
+        return 0
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for label in args.only or CONFIGS:
+            results[label] = launch(label, write_recipe(folder, label, CONFIGS[label]), args.steps, folder,
+                                    args.timeout)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    params = results[next(iter(results))][0]["params"]
+    print(f"model: mlp {MODEL['args']} = {params / 1e6:.1f} M parameters, fp32, AdamW; 2 ranks")
+    if set(CONFIGS) <= set(results):
+        print(table(results))
+    else:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
