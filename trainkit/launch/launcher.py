@@ -128,6 +128,13 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     if errors:
         print(f"trainkit: not started: {len(errors)} problem(s) in {recipe_path}", file=sys.stderr)
         return 2
+    from .. import doctor
+
+    failed = doctor.before_launch(resolved)  # the quick environment checks: port, GPUs, shm, fds, disk
+    if failed:
+        print(f"trainkit: not started: {failed} environment check(s) failed (all checks: trainkit doctor "
+              f"{recipe_path})", file=sys.stderr)
+        return 2
     recipe = resolved.recipe
     run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarts are flaky without it (pytorch#135712)

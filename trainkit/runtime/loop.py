@@ -153,11 +153,14 @@ class Loop:
         data = self.batches()
         self.model.train()
         self.monitors.call("on_run_start")
+        first_step_at = None
         while self.state.step < t.max_steps:
             self.monitors.call("on_step_start", self.state.step + 1)
             loss, grad_norm, times = self.train_step(data)
             self.state.step += 1
             self.stats.add(times)
+            if first_step_at is None:
+                first_step_at = time.time()  # wall clock: `trainkit run` to first step, for the overhead bench
             self.monitors.call("on_step_end", self.state.step, times)
             self.state.samples += global_batch
             step = self.state.step
@@ -198,7 +201,7 @@ class Loop:
             "wall_s": elapsed, "global_batch": global_batch, "world_size": self.strategy.world_size,
             "skipped_images": skipped,
             "checkpoint": str(last_ckpt) if last_ckpt else None,
-            "per_rank_times": per_rank_stats, "report_sections": report_sections,
+            "first_step_at": first_step_at, "per_rank_times": per_rank_stats, "report_sections": report_sections,
         }
 
 

@@ -143,7 +143,8 @@ class MlflowSink:
     def log(self, metrics: dict, step: int) -> None:
         ts = _now_ms()
         self.spool.append([{"op": "metric", "key": k, "value": float(v), "ts": ts, "step": int(step)}
-                           for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)])
+                           for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)],
+                          durable=False)
 
     def close(self) -> None:
         pass

@@ -24,10 +24,12 @@ class Spool:
         self.state_path = self.folder / "state.json"
 
     # ---- writing (any process; appends are atomic lines under an exclusive lock)
-    def append(self, records: list[dict[str, Any]]) -> None:
+    def append(self, records: list[dict[str, Any]], durable: bool = True) -> None:
+        """Append records. durable=False skips fsync: the lines survive a crash of this process (the
+        kernel has them) but not of the machine — the trade made for per-step metric points."""
         if records:
             with self._locked("append"):
-                self._write(records)
+                self._write(records, durable)
 
     def append_unless_created(self, records: list[dict[str, Any]]) -> bool:
         """Append the run-creating records unless a launcher already did; True if this call did."""
@@ -37,12 +39,13 @@ class Spool:
             self._write(records)
             return True
 
-    def _write(self, records: list[dict[str, Any]]) -> None:
+    def _write(self, records: list[dict[str, Any]], durable: bool = True) -> None:
         data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
 

@@ -1,0 +1,154 @@
+"""Side-by-side overhead benchmarks, 2 processes on CPU (gloo), measured alternately in one run.
+
+    python bench/overhead.py framework   # trainkit run vs a plain hand-written torchrun DDP script
+    python bench/overhead.py tracking    # MLflow tracking off vs SQLite vs a real `mlflow server`
+    python bench/overhead.py monitors    # no monitors vs all built-in monitors except the profiler
+
+Each configuration trains the same MLP on the same synthetic data for --steps steps, --repeats times,
+alternating configurations so machine noise hits them alike. Reported per configuration: the median
+steady-state seconds per step (wall time from step --warmup to the last step, divided by the steps)
+and the time from the command to the first finished step; then ratios against the first one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PLAIN = Path(__file__).resolve().parent / "plain_ddp.py"
+MODEL = {"in_features": 3072, "hidden": 2048, "depth": 3, "num_classes": 10}
+BATCH = 32
+
+
+def recipe(folder: Path, name: str, steps: int, log_every: int, **extra) -> Path:
+    data = {
+        "name": name, "seed": 0,
+        "model": {"name": "mlp", "args": MODEL},
+        "data": {"name": "synthetic", "num_samples": 8192, "shape": [3, 32, 32], "num_classes": 10,
+                 "batch_size": BATCH, "shuffle": True},
+        "strategy": {"name": "ddp"}, "precision": "fp32",
+        "optimizer": {"name": "adamw", "lr": 1e-3},
+        "trainer": {"max_steps": steps, "log_every": log_every, "checkpoint": {"every": None, "keep": 1},
+                    "resume": "never"},
+        "launch": {"nproc_per_node": 2, "run_dir": str(folder / "runs")},
+        "tracking": {"enabled": False},
+    }
+    for key, value in extra.items():
+        data[key] = value
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_trainkit(folder: Path, path: Path, name: str, warmup: int, env: dict) -> tuple[float, float]:
+    start = time.time()
+    res = subprocess.run([sys.executable, "-m", "trainkit.cli", "run", str(path)], cwd=folder, env=env,
+                         capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        sys.exit(f"trainkit run failed:\n{res.stdout}\n{res.stderr}")
+    run_dir = folder / "runs" / name
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["time"] for r in rows}
+    first, last = min(s for s in by_step if s >= warmup), max(by_step)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "metrics.jsonl").unlink()  # the next repeat starts clean
+    return (by_step[last] - by_step[first]) / (last - first), summary["first_step_at"] - start
+
+
+def run_plain(folder: Path, steps: int, warmup: int, log_every: int, env: dict) -> tuple[float, float]:
+    out = folder / "plain.json"
+    start = time.time()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(PLAIN),
+           "--steps", str(steps), "--batch", str(BATCH), "--log-every", str(log_every), "--out", str(out),
+           "--model", json.dumps(MODEL)]
+    res = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        sys.exit(f"plain script failed:\n{res.stdout}\n{res.stderr}")
+    times = {int(k): v for k, v in json.loads(out.read_text())["times"].items()}
+    first, last = min(s for s in times if s >= warmup), max(times)
+    return (times[last] - times[first]) / (last - first), json.loads(out.read_text())["first_step_at"] - start
+
+
+def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{folder}/server.db", "--default-artifact-root", str(folder / "art"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    for _ in range(180):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    sys.exit("mlflow server did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("compare", choices=["framework", "tracking", "monitors"])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="trainkit-bench-"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(folder))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    server = None
+    steps, le = args.steps, args.log_every
+
+    def tk(name, **extra):
+        path = recipe(folder, name, steps, le, **extra)
+        return lambda: run_trainkit(folder, path, name, args.warmup, env)
+
+    if args.compare == "framework":
+        configs = {"plain torchrun DDP script": lambda: run_plain(folder, steps, args.warmup, le, env),
+                   "trainkit run": tk("framework")}
+    elif args.compare == "tracking":
+        server, uri = start_server(folder)
+        configs = {"tracking off": tk("off"),
+                   "tracking -> SQLite": tk("sqlite", tracking={"experiment": "bench", "uri": f"sqlite:///{folder}/mlflow.db"}),
+                   "tracking -> mlflow server": tk("server", tracking={"experiment": "bench", "uri": uri})}
+    else:
+        configs = {"no monitors": tk("plainmon"),
+                   "system+gpu+throughput+breakdown+memory+stragglers": tk(
+                       "allmon", monitors=["system", "gpu", "throughput", "breakdown", "memory", "stragglers"])}
+    results: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
+    try:
+        for _ in range(args.repeats):
+            for name, fn in configs.items():
+                results[name].append(fn())
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+    base = statistics.median(s for s, _ in results[next(iter(results))])
+    base_first = statistics.median(f for _, f in results[next(iter(results))])
+    print(f"{args.compare}: {steps} steps, steady state from step {args.warmup}, log_every {le}, "
+          f"{args.repeats} alternating repeats, 2 processes (gloo, CPU), MLP {MODEL}, batch {BATCH}/rank")
+    print(f"{'configuration':<52} {'s/step (median)':>16} {'ratio':>7} {'to 1st step s':>14} {'ratio':>7}")
+    for name, values in results.items():
+        step = statistics.median(s for s, _ in values)
+        first = statistics.median(f for _, f in values)
+        print(f"{name:<52} {step:>16.4f} {step / base:>7.3f} {first:>14.2f} {first / base_first:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

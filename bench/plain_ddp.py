@@ -1,0 +1,62 @@
+"""The textbook torchrun DDP script trainkit is measured against (bench/overhead.py framework):
+DistributedSampler, DDP, AdamW, cross-entropy, a loss print every N steps. Same model and data
+(imported from trainkit so both sides compute exactly the same thing); the loop is hand-written."""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from trainkit.models import mlp
+from trainkit.runtime.data import SyntheticDataset
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--model", default="{}")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(mlp(**json.loads(args.model)))
+    data = SyntheticDataset(8192, [3, 32, 32], 10, seed=0)  # the same data trainkit's `synthetic` makes
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times, step, first = {}, 0, None
+    epoch = 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            first = first or time.time()
+            if step % args.log_every == 0 or step == args.steps:
+                dist.all_reduce(loss.detach())
+                if rank == 0:
+                    print(f"step {step} loss {loss.item() / dist.get_world_size():.4f}", flush=True)
+                times[step] = time.time()
+            if step == args.steps:
+                break
+        epoch += 1
+    if rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump({"times": times, "first_step_at": first}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Node resources a run consumes: shared memory for DataLoader batches, file descriptors, and disk
+for checkpoints. Each compares a measured amount with a stated estimate of the need."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from .check import Check, failed, human_bytes, passed, warned
+
+SHM = "/dev/shm"
+SHM_MACHINE_MIN = 1 << 30  # without a recipe: below 1 GiB (Docker's default is 64 MiB) DataLoader workers die
+NOFILE_RECOMMENDED = 4096
+DISK_FLOOR = 1 << 30  # the quick check, without a model to estimate from
+OPTIMIZER_STATE = {"sgd": 1, "adam": 2, "adamw": 2}  # fp32 tensors per parameter (sgd: momentum buffer)
+
+
+# --------------------------------------------------------------------------- shared memory
+def sample_bytes(data) -> Optional[int]:
+    """Bytes of one collated float32 sample plus its int64 label, from the data block's shape."""
+    if getattr(data, "shape", None):
+        return math.prod(data.shape) * 4 + 8
+    if getattr(data, "image_size", None):
+        return 3 * data.image_size ** 2 * 4 + 8
+    if data.name == "cifar10":
+        return 3 * 32 * 32 * 4 + 8
+    return None
+
+
+def shm(resolved) -> Check:
+    name = "/dev/shm"
+    if not os.path.isdir(SHM):
+        return warned(name, f"{SHM} does not exist: DataLoader workers pass batches through shared memory",
+                      "use data.num_workers: 0, or mount a tmpfs on /dev/shm")
+    free = shutil.disk_usage(SHM).free
+    docker = "docker run --shm-size=<size> (or --ipc=host)"
+    if resolved is None:
+        if free < SHM_MACHINE_MIN:
+            return warned(name, f"{human_bytes(free)} free: too little for DataLoader workers",
+                          f"{docker}, e.g. --shm-size=8g")
+        return passed(name, f"{human_bytes(free)} free")
+    r = resolved.recipe
+    d, nproc = r.data, r.launch.nproc_per_node
+    if d.num_workers == 0:
+        return passed(name, f"{human_bytes(free)} free; data.num_workers 0: batches do not use shared memory")
+    per_sample = sample_bytes(d)
+    if per_sample is None:
+        return passed(name, f"{human_bytes(free)} free (sample size of data '{d.name}' unknown: no estimate)")
+    prefetch = d.prefetch_factor or 2
+    need = nproc * d.num_workers * prefetch * d.batch_size * per_sample
+    how = (f"estimate {human_bytes(need)} = {nproc} rank(s) x {d.num_workers} worker(s) x prefetch {prefetch} "
+           f"x batch {d.batch_size} x {human_bytes(per_sample)}/sample")
+    if free < need:
+        size = max(1, math.ceil(2 * need / (1 << 30)))
+        return failed(name, f"{human_bytes(free)} free < {how}",
+                      f"{docker.replace('<size>', f'{size}g')}, or lower data.num_workers / prefetch_factor / batch_size")
+    if free < 2 * need:
+        return warned(name, f"{human_bytes(free)} free, under twice the {how}",
+                      "give /dev/shm more room (docker --shm-size) or lower data.num_workers")
+    return passed(name, f"{human_bytes(free)} free >= {how}")
+
+
+# --------------------------------------------------------------------------- file descriptors
+def fd_need(resolved) -> tuple[int, str]:
+    """A rough per-node need: each rank ~64 (libraries, logs) + 4 sockets per peer, and each
+    DataLoader worker ~16 + 2 shared-memory handles per batch in flight; the agent ~64."""
+    r = resolved.recipe
+    nproc, world = r.launch.nproc_per_node, r.world_size or r.launch.nproc_per_node
+    workers, prefetch = r.data.num_workers, r.data.prefetch_factor or 2
+    per_rank = 64 + 4 * world + workers * (16 + 2 * prefetch)
+    return 64 + nproc * per_rank, f"{nproc} rank(s) x (64 + 4 x {world} peers + {workers} worker(s) x {16 + 2 * prefetch})"
+
+
+def open_files(resolved) -> Check:
+    import resource
+
+    name = "open files"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    if resolved is None:
+        need, how = NOFILE_RECOMMENDED, "recommended minimum"
+    else:
+        need, how = fd_need(resolved)
+        how = f"estimated need {need} = 64 + {how}"
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return passed(name, f"ulimit -n {limit} (hard {hard if hard != resource.RLIM_INFINITY else 'unlimited'}) "
+                      f">= {how}" if resolved else f"ulimit -n {limit} >= {need} ({how})")
+    target = max(need * 2, NOFILE_RECOMMENDED)
+    if hard == resource.RLIM_INFINITY or hard >= target:
+        fix = f"ulimit -n {target} in the shell that launches"
+    else:
+        fix = (f"raise the hard limit ({hard}): nofile in /etc/security/limits.conf, LimitNOFILE= for systemd, "
+               f"or docker --ulimit nofile={target}:{target}")
+    check = warned if resolved is None else failed
+    return check(name, f"ulimit -n {limit} < {how}", fix)
+
+
+# --------------------------------------------------------------------------- disk
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def parameter_count(spec) -> int:
+    """Parameters + buffers of the recipe's model, built on the meta device (no memory, ~ms)."""
+    import torch
+
+    from ..runtime.model import factory
+
+    with torch.device("meta"):
+        model = factory(spec.name)(**spec.args)
+    return sum(t.numel() for t in model.state_dict().values())
+
+
+def checkpoint_estimate(recipe) -> tuple[int, str]:
+    """Peak bytes of checkpoints: `keep` + the one being written, each fp32 weights + optimizer state."""
+    params = parameter_count(recipe.model)
+    state = OPTIMIZER_STATE.get(recipe.optimizer.name, 2)
+    if recipe.optimizer.name == "sgd" and not recipe.optimizer.momentum:
+        state = 0
+    copies = recipe.trainer.checkpoint.keep + 1
+    need = params * 4 * (1 + state) * copies
+    return need, (f"estimate {human_bytes(need)} = {params:,} params x 4 B x (1 + {state} {recipe.optimizer.name} "
+                  f"state) x {copies} checkpoints (keep {copies - 1} + 1 being written)")
+
+
+def _previous_checkpoint(run_dir: Path) -> int:
+    folders = sorted((run_dir / "checkpoints").glob("step-*"))
+    if not folders:
+        return 0
+    return sum(f.stat().st_size for f in folders[-1].rglob("*") if f.is_file())
+
+
+def _disk(resolved, quick: bool) -> Check:
+    name = "disk"
+    if resolved is None:
+        run_dir = Path("runs")
+    else:
+        from ..launch.launcher import run_dir_for
+
+        run_dir = run_dir_for(resolved.recipe)
+    base = _existing(run_dir)
+    setting = "launch.run_dir" + (f" ({resolved.locate(('launch', 'run_dir'))})" if resolved else "")
+    if not os.access(base, os.W_OK | os.X_OK):
+        return failed(name, f"cannot create {run_dir}: {base} is not writable", f"set {setting} to a writable folder")
+    free = shutil.disk_usage(base).free
+    if resolved is None or quick:
+        previous = _previous_checkpoint(run_dir) if resolved else 0
+        if previous:
+            need = previous * (resolved.recipe.trainer.checkpoint.keep + 1)
+            how = f"estimate {human_bytes(need)} = last checkpoint {human_bytes(previous)} x (keep + 1)"
+        else:
+            need, how = DISK_FLOOR, "a 1 GiB floor (`trainkit doctor RECIPE` estimates from the model)"
+    else:
+        try:
+            need, how = checkpoint_estimate(resolved.recipe)
+        except Exception as exc:  # a model that does not build is reported by `validate --deep`
+            return warned(name, f"{human_bytes(free)} free at {base}; no estimate: the model does not build on "
+                          f"the meta device ({type(exc).__name__}: {exc})", "trainkit validate --deep RECIPE")
+    detail = f"{human_bytes(free)} free at {base}"
+    fix = f"free space there, lower trainer.checkpoint.keep, or set {setting} to a bigger disk"
+    if free < need:
+        return (warned if need == DISK_FLOOR else failed)(name, f"{detail} < {how}", fix)
+    if free < 2 * need and need != DISK_FLOOR:
+        return warned(name, f"{detail}, under twice the {how}", fix)
+    return passed(name, f"{detail} >= {how}")
+
+
+def disk(resolved) -> Check:
+    return _disk(resolved, quick=False)
+
+
+def disk_quick(resolved) -> Check:
+    return _disk(resolved, quick=True)
