@@ -150,7 +150,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     if where:
         from ..tracking.delivery import BackgroundDelivery
 
-        delivery = BackgroundDelivery(run_dir)  # in this process: never on the workers' time
+        delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
         code, reason = _run_in_process(run_dir) if in_process else _run_torchrun(recipe, run_dir)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import lru_cache
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -34,7 +35,9 @@ def artifact_root_for(uri: str) -> Optional[str]:
     return None
 
 
+@lru_cache(maxsize=8)
 def client_for(uri: str):
+    """One client per store per process: building a SQLite store checks its schema (~100 ms)."""
     import logging
 
     from mlflow.tracking import MlflowClient
@@ -152,8 +155,8 @@ def _not_yet_logged(client, run_id: str, points: list) -> list:
 class BackgroundDelivery:
     """A daemon thread that delivers the spool every `interval` seconds (and when kicked)."""
 
-    def __init__(self, run_dir: Path, interval: float = 2.0):
-        self.run_dir, self.interval = Path(run_dir), interval
+    def __init__(self, run_dir: Path, interval: float = 5.0, announce: bool = False):
+        self.run_dir, self.interval, self.announce = Path(run_dir), interval, announce
         self.last_error: Optional[str] = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -164,10 +167,24 @@ class BackgroundDelivery:
         self._wake.set()
 
     def _loop(self) -> None:
+        announced_run = bool(Spool(self.run_dir).state().get("run_id"))  # the launcher printed it at start
+        announced_error = False
         while not self._stop.is_set():
+            pending, self.last_error = deliver(self.run_dir)
+            if self.announce:
+                state = Spool(self.run_dir).state()
+                if state.get("run_id") and not announced_run:
+                    print(f"trainkit: tracking: run {state['run_id']} created in {state.get('uri')}", flush=True)
+                    announced_run = True
+                if self.last_error and not announced_error:
+                    print(f"trainkit: tracking: server unreachable ({self.last_error}); training goes on, "
+                          f"{pending} record(s) kept in {Spool(self.run_dir).path} until it is back", flush=True)
+                    announced_error = True
+                elif not self.last_error and announced_error:
+                    print("trainkit: tracking: server reachable again; spooled records delivered", flush=True)
+                    announced_error = False
             self._wake.wait(self.interval)
             self._wake.clear()
-            _, self.last_error = deliver(self.run_dir)
 
     def close(self, timeout: float = 10.0) -> int:
         """Stop the thread after one last attempt; returns the records still pending."""

@@ -73,7 +73,9 @@ def run_tags(recipe, environment: dict) -> dict[str, str]:
 
 
 def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Optional[str]:
-    """Spool the run's creation (first launch) or its continuation, then try to deliver now.
+    """Spool the run's creation (first launch) or its continuation and deliver it now, so the store
+    and the run exist before any worker starts (and MLflow's one-off import and schema work do not
+    compete with training). Workers only ever append to the spool.
 
     Returns a one-line description of where tracking goes, or None when tracking is disabled.
     """
@@ -92,11 +94,11 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
     if not first:  # a later launch (resume: auto) or another node's launcher: the same run continues
         spool.append([{"op": "status", "status": "RUNNING", "ts": _now_ms()},
                       {"op": "tags", "tags": {"trainkit.last_launch": launch_dir.name}}])
-    pending, error = deliver(run_dir)
+    pending, error = deliver(run_dir)  # creates the store and the run now, before any worker runs
     state = spool.state()
-    where = f"MLflow {state.get('uri', uri)}"
+    where = f"MLflow {state.get('uri', uri)}, experiment '{recipe.tracking.experiment}'"
     if state.get("run_id"):
-        where += f", experiment '{recipe.tracking.experiment}', run {state['run_id']}" + ("" if first else " (continued)")
+        where += f", run {state['run_id']}" + ("" if first else " (continued)")
     if error:
         where += f" (unreachable now: {error}; {pending} record(s) kept in {spool.path}, delivered later)"
     return where
