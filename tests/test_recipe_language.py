@@ -228,3 +228,17 @@ def test_reference_docs_are_generated_from_the_schema():
     assert res.returncode == 0
     assert (REPO / "docs" / "reference.md").read_text() == res.stdout, \
         "docs/reference.md is stale: run `trainkit schema --markdown > docs/reference.md`"
+
+
+def test_plan_shows_the_resolved_recipe_what_it_implies_and_the_exact_torchrun_command(tmp_path):
+    recipe = write(tmp_path, "r.yaml", VALID.replace("max_steps: 10", "max_steps: 10, grad_accum_steps: 2"))
+    res = cli("plan", str(recipe), "data.batch_size=4")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "batch_size: 4" in out  # the override, resolved
+    assert "world size:      2  (2 per node x 1 node(s))" in out
+    assert "global batch:    16  (batch_size 4 x data-parallel 2 x grad_accum_steps 2)" in out
+    assert "steps per epoch: 64  (1024 samples)" in out
+    command = out.strip().splitlines()[-1]
+    assert command.startswith("torchrun ") and "--nproc-per-node=2" in command
+    assert command.endswith("-m trainkit.runtime.worker '<run dir>'")

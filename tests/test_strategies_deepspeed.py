@@ -25,8 +25,11 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 @pytest.fixture(scope="module")
-def ext(request) -> dict:
-    return {"TORCH_EXTENSIONS_DIR": str(request.config.cache.mkdir("torch_extensions")), "DS_ACCELERATOR": "cpu"}
+def ext(request, tmp_path_factory) -> dict:
+    """DeepSpeed JIT-compiles its CPU comm op once (~40 s): keep it in pytest's cache across sessions."""
+    cache = getattr(request.config, "cache", None)  # absent under `-p no:cacheprovider`
+    folder = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
+    return {"TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}
 
 
 @pytest.fixture(scope="module")

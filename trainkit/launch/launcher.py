@@ -160,7 +160,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
         (launch_dir / "failure.txt").write_text(reason + "\n")
     if where:
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
-        print(f"trainkit: {tracking.close_run(run_dir, launch_dir, status, reason or 'completed')}", flush=True)
+        print(f"trainkit: {tracking.close_run(run_dir, launch_dir, status, reason or 'completed', recipe)}", flush=True)
     return code
 
 

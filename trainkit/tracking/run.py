@@ -104,7 +104,24 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
     return where
 
 
-def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str, timeout: float = 30.0) -> str:
+def _model_artifacts(recipe, run_dir: Path, status: str) -> list[dict]:
+    """What `tracking.log_checkpoints` / `tracking.log_model` add: the newest checkpoint folder as it
+    is, and the trained model as an MLflow PyTorch model (consolidated from any strategy's files)."""
+    from ..runtime.checkpoint import newest_valid
+
+    newest = newest_valid(run_dir / "checkpoints", warn=False)
+    records: list[dict] = []
+    if newest is None:
+        return records
+    if recipe.tracking.log_checkpoints:
+        records.append({"op": "artifact", "path": str(newest), "dir": f"checkpoints/{newest.name}"})
+    if recipe.tracking.log_model and status == "FINISHED":
+        records.append({"op": "model", "recipe": str(run_dir / "recipe.yaml"), "checkpoint": str(newest)})
+    return records
+
+
+def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str, recipe=None,
+              timeout: float = 30.0) -> str:
     """Spool the artifacts and the final status, deliver, and say what happened."""
     from .delivery import deliver
 
@@ -117,6 +134,8 @@ def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str, timeout
         (launch_dir / "failure.txt", f"launches/{launch_dir.name}"), (run_dir / "reports", "reports"),
         (run_dir / "profiler", "profiler"),
     ) if p.exists()]
+    if recipe is not None:
+        records += _model_artifacts(recipe, run_dir, status)
     records.append({"op": "tags", "tags": {"trainkit.status_reason": reason[:5000]}})
     records.append({"op": "status", "status": status, "ts": _now_ms()})
     spool.append(records)

@@ -1,0 +1,74 @@
+"""Reading runs back: `trainkit runs`, `trainkit compare`, `trainkit sync`, and the optional model
+and checkpoint artifacts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from run_helpers import mlp_recipe, trainkit
+from trainkit.tracking.delivery import deliver
+from trainkit.tracking.spool import Spool
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    for name, lr, extra in (("lr-a", 0.1, {"log_model": True, "log_checkpoints": True}), ("lr-b", 0.05, {})):
+        recipe = mlp_recipe(tmp, name, optimizer={"name": "sgd", "lr": lr, "momentum": 0.9},
+                            tracking={"experiment": "cmp", "uri": uri, "enabled": True, **extra})
+        result = trainkit(tmp, "run", str(recipe))
+        assert result.returncode == 0, result.output
+    return tmp, uri
+
+
+def test_runs_lists_both_and_compare_shows_what_differs(two_runs):
+    tmp, uri = two_runs
+    listing = trainkit(tmp, "runs", "--uri", uri)
+    assert listing.returncode == 0, listing.output
+    assert "lr-a" in listing.stdout and "lr-b" in listing.stdout and listing.stdout.count("FINISHED") == 2
+    cmp = trainkit(tmp, "compare", "lr-a", "lr-b", "--uri", uri)
+    assert cmp.returncode == 0, cmp.output
+    lr_row = next(line for line in cmp.stdout.splitlines() if line.startswith("optimizer.lr"))
+    assert lr_row.split()[1:] == ["0.1", "0.05"]
+    assert any(line.startswith("loss (final)") for line in cmp.stdout.splitlines())
+    assert "compare-runs?runs=" in cmp.stdout
+    missing = trainkit(tmp, "compare", "nope", "--uri", uri)
+    assert missing.returncode == 2 and "no run matches 'nope'" in missing.stderr
+
+
+def test_log_model_and_log_checkpoints_store_a_loadable_model(two_runs):
+    tmp, uri = two_runs
+    import mlflow.pytorch
+
+    client = MlflowClient(uri)
+    run = next(r for r in client.search_runs([client.get_experiment_by_name("cmp").experiment_id])
+               if r.info.run_name == "lr-a")
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/step-00000012"]
+    local = client.download_artifacts(run.info.run_id, "model", str(tmp / "dl"))
+    model = mlflow.pytorch.load_model(local)
+    saved = torch.load(tmp / "runs" / "lr-a" / "checkpoints" / "step-00000012" / "model.pt", weights_only=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_sync_delivers_what_an_unreachable_store_left_in_the_spool(tmp_path):
+    (tmp_path / "later").write_text("")  # a file where the store's folder should be: unreachable store
+    uri = f"sqlite:///{tmp_path}/later/mlflow.db"
+    run_dir = tmp_path / "run"
+    spool = Spool(run_dir)
+    spool.append([{"op": "create", "uri": uri, "experiment": "sync", "run_name": "offline", "ts": 1, "tags": {}}])
+    spool.append([{"op": "metric", "key": "loss", "value": 1.0 / s, "ts": s, "step": s} for s in range(1, 6)])
+    pending, error = deliver(run_dir)
+    assert pending == 6 and error
+    (tmp_path / "later").unlink()
+    (tmp_path / "later").mkdir()  # the store is back
+    result = trainkit(tmp_path, "sync", str(run_dir))
+    assert result.returncode == 0, result.output
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(spool.state()["run_id"], "loss")] == [1, 2, 3, 4, 5]
+    again = trainkit(tmp_path, "sync", str(tmp_path / "nothing-here"))
+    assert again.returncode == 2 and "has no tracking spool" in again.stderr
