@@ -121,7 +121,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     from .precision import Precision
     from .progress import Progress
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
     model = build_model(recipe.model)
