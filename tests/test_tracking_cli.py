@@ -72,3 +72,33 @@ def test_sync_delivers_what_an_unreachable_store_left_in_the_spool(tmp_path):
     assert [m.step for m in client.get_metric_history(spool.state()["run_id"], "loss")] == [1, 2, 3, 4, 5]
     again = trainkit(tmp_path, "sync", str(tmp_path / "nothing-here"))
     assert again.returncode == 2 and "has no tracking spool" in again.stderr
+
+
+def test_ui_serves_the_store_on_loopback(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "ui", "--uri", f"sqlite:///{tmp_path}/m.db",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith(f"MLflow UI for sqlite:///{tmp_path}/m.db: http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the UI never came up"
+                time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
