@@ -102,3 +102,19 @@ def test_ui_serves_the_store_on_loopback(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_tracking_commands_answer_bad_input_with_a_message(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    res = trainkit(tmp_path, "sync", str(a_file))
+    assert res.returncode == 2 and "has no tracking spool" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "typo").exists()
+    res = trainkit(tmp_path, "sync", str(tmp_path / "typo"))
+    assert res.returncode == 2 and not (tmp_path / "typo").exists()  # looking creates nothing
+    res = trainkit(tmp_path, "runs", "--uri", f"sqlite:///{tmp_path}/none.db")
+    assert res.returncode == 1 and "no MLflow store at" in res.stderr and not (tmp_path / "none.db").exists()
+    (tmp_path / "run" / "reports").mkdir(parents=True)
+    (tmp_path / "run" / "reports" / "breakdown.json").write_text('{"per_rank": [')
+    res = trainkit(tmp_path, "report", str(tmp_path / "run"))
+    assert res.returncode == 1 and "is not valid JSON" in res.stderr and "Traceback" not in res.stderr

@@ -53,3 +53,14 @@ def test_unreachable_server_keeps_everything_in_the_spool(tmp_path):
     assert time.monotonic() - start < 30
     assert pending == 13 and error
     assert spool.pending_count() == 13 and "run_id" not in spool.state()
+
+
+def test_a_line_torn_by_a_crash_does_not_break_later_appends_or_delivery(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spool = _spool_run(tmp_path / "run", uri, 3)
+    with open(spool.path, "ab") as fh:
+        fh.write(b'{"op":"metric","key":"loss","val')  # power lost mid-line
+    spool.append([{"op": "metric", "key": "loss", "value": 0.5, "ts": 9999, "step": 3}])
+    assert deliver(tmp_path / "run") == (0, None)
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(spool.state()["run_id"], "loss")] == [0, 1, 2, 3]

@@ -210,9 +210,13 @@ def cmd_make_imagefolder(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from .tracking.browse import list_runs
+    from .tracking.browse import TrackingError, list_runs
 
-    print(list_runs(args.uri, args.experiment, args.limit))
+    try:
+        print(list_runs(args.uri, args.experiment, args.limit))
+    except TrackingError as exc:
+        print(f"trainkit: {exc.args[0]}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -240,7 +244,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     from .tracking.spool import Spool
 
     spool = Spool(Path(args.run_dir))
-    if not spool.path.exists():
+    if not Path(args.run_dir).is_dir() or not spool.path.is_file():
         print(f"trainkit: {args.run_dir} has no tracking spool (tracking/spool.jsonl)", file=sys.stderr)
         return EXIT_INVALID
     pending, error = deliver(Path(args.run_dir))
@@ -264,7 +268,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not evidence_path.is_file():
         print(f"trainkit: {evidence_path} not found: is {run_dir} a finished trainkit run directory?", file=sys.stderr)
         return EXIT_INVALID
-    evidence = json.loads(evidence_path.read_text())
+    try:
+        evidence = json.loads(evidence_path.read_text())
+    except ValueError:
+        print(f"trainkit: {evidence_path} is not valid JSON (cut short by a crash?)", file=sys.stderr)
+        return EXIT_FAILED
     recipe = resolve(run_dir / "recipe.yaml").recipe
     print(diagnose(evidence["per_rank"], recipe).markdown(recipe.name), end="")
     return EXIT_OK

@@ -88,12 +88,15 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
     recipe = resolved.recipe
     run_dir = run_dir_for(recipe)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    launch_dir = run_dir / "launches" / stamp
-    n = 1
-    while launch_dir.exists():
-        n += 1
-        launch_dir = run_dir / "launches" / f"{stamp}-{n}"
-    launch_dir.mkdir(parents=True)
+    launch_dir, n = run_dir / "launches" / stamp, 1
+    (run_dir / "launches").mkdir(parents=True, exist_ok=True)
+    while True:  # several nodes may launch in the same second on a shared run dir
+        try:
+            launch_dir.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            launch_dir = run_dir / "launches" / f"{stamp}-{n}"
     ckpts = run_dir / "checkpoints"
     if recipe.trainer.resume == "never" and ckpts.is_dir() and any(ckpts.iterdir()):
         aside = run_dir / f"checkpoints.before-{launch_dir.name}"

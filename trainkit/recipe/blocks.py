@@ -53,7 +53,8 @@ class SyntheticData(DataOptions):
     component: ClassVar[str] = "trainkit.runtime.data:build_synthetic"
     name: Literal["synthetic"]
     num_samples: PositiveInt = Field(default=1024, description="dataset length")
-    shape: list[PositiveInt] = Field(default_factory=lambda: [3, 32, 32], description="shape of one input sample")
+    shape: list[PositiveInt] = Field(default_factory=lambda: [3, 32, 32], min_length=1,
+                                     description="shape of one input sample")
     num_classes: PositiveInt = Field(default=10, description="labels are drawn from [0, num_classes)")
     sleep_ms: NonNegativeFloat = Field(default=0.0, description="artificial per-sample latency (planted-fault tests)")
 

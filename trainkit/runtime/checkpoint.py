@@ -99,6 +99,10 @@ def problem_with(folder: Path) -> Optional[str]:
     return None
 
 
+def _step_of(folder: Path) -> int:
+    return int(folder.name[len(PREFIX):])
+
+
 def step_folders(ckpt_dir: Path) -> list[Path]:
     """Checkpoint folders, newest step first."""
     if not ckpt_dir.is_dir():
@@ -166,7 +170,7 @@ class Checkpointer:
         return final
 
     def _seal(self, tmp: Path, final: Path, step: int) -> None:
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = {"step": step, "files": files, "recipe_sha256": self.recipe_sha256, "created": time.time()}
         with open(tmp / "meta.json", "w") as fh:
             json.dump(meta, fh, indent=2)
@@ -177,12 +181,25 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.dir)
-        for old in step_folders(self.dir)[self.keep:]:
+        kept = [f for f in step_folders(self.dir) if _step_of(f) <= step]  # newest first, this one included
+        for old in kept[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, folder: Path, model, optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG; return the trainer state."""
+        """Restore model, optimizer and this rank's RNG; return the trainer state.
+
+        Checkpoints newer than `folder` belong to an abandoned timeline (resuming from an older or
+        explicit checkpoint, or past a corrupt one): rank 0 moves them aside so that neither
+        rotation nor a later `resume: auto` mistakes them for this run's progress.
+        """
         s = self.strategy
+        if s.rank == 0 and folder.resolve().parent == self.dir.resolve():
+            for newer in step_folders(self.dir):
+                if _step_of(newer) > _step_of(folder):
+                    aside = self.dir / f"abandoned-{newer.name}-{int(time.time())}"
+                    newer.rename(aside)
+                    print(f"trainkit: note: {newer} is newer than the resumed checkpoint; moved to {aside}",
+                          file=sys.stderr, flush=True)
         s.load_checkpoint(folder, model, optimizer)
         state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
         rng = folder / f"rng-rank{s.rank:05d}.pt"

@@ -91,6 +91,8 @@ class Loop:
             t0 = time.perf_counter()
             x, y = self._to_device(next(data))
             data_wait += time.perf_counter() - t0
+            if self._forward_marks:
+                self._forward_marks.clear()  # marks left by evaluate()'s forwards are not this step's
             c0 = clock.mark()
             total += self.strategy.forward_backward(self.model, x, y, self.loss_fn, self.precision,
                                                     grad_accum_steps=accum, last_micro_step=micro == accum - 1)
@@ -191,7 +193,10 @@ class Loop:
         elapsed = time.perf_counter() - t0
         per_rank_stats = self.stats.gather(self.strategy.world_size)
         report_sections = self.monitors.finish()
-        skipped = int(self.strategy.all_reduce_sum(torch.tensor(self.state.skipped_images)).item())
+        # on the run's device: an nccl group has no CPU backend; pipeline stages all read the same batches
+        replicas = self.strategy.world_size // self.strategy.data_parallel_size
+        skipped = int(self.strategy.all_reduce_sum(torch.tensor(self.state.skipped_images, device=self.device))
+                      .item()) // max(1, replicas)
         done = self.state.step - start_step
         return {
             "name": self.recipe.name, "steps": self.state.step, "steps_this_launch": done,

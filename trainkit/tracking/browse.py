@@ -3,14 +3,41 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from .delivery import client_for, default_uri
 
 SUMMARY_METRICS = ("loss", "eval_loss", "eval_accuracy", "samples_per_s", "step_time_s")
 LOWER_IS_BETTER = ("loss", "eval_loss", "step_time_s")
+
+
+class TrackingError(LookupError):
+    """The store cannot be read, or a run is not in it: a message for the user, not a traceback."""
+
+
+def _client(uri: str):
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise TrackingError(f"no MLflow store at {uri[len('sqlite:///'):]} (`trainkit run` creates it; "
+                            "or pass --uri / set MLFLOW_TRACKING_URI)")
+    return client_for(uri)
+
+
+def _store_errors(fn):
+    """Unreachable servers and broken stores become one-line TrackingErrors."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LookupError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise TrackingError(f"cannot read the tracking store: {type(exc).__name__}: {first}") from None
+    return wrapped
 
 
 def _fmt_time(ms: Optional[int]) -> str:
@@ -34,9 +61,10 @@ def _all_experiment_ids(client) -> list[str]:
     return [e.experiment_id for e in client.search_experiments()]
 
 
+@_store_errors
 def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit: int = 20) -> str:
     uri = uri or default_uri()
-    client = client_for(uri)
+    client = _client(uri)
     if experiment:
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
@@ -58,18 +86,17 @@ def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit
 
 
 def _find_run(client, ids: list[str], prefix: str):
-    if len(prefix) == 32:
-        return client.get_run(prefix)
     for run in client.search_runs(ids, max_results=5000):
         if run.info.run_id.startswith(prefix) or run.info.run_name == prefix:
             return run
-    raise LookupError(f"no run matches '{prefix}'")
+    raise TrackingError(f"no run matches '{prefix}'")
 
 
+@_store_errors
 def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "http://127.0.0.1:5000") -> str:
     """Side by side: params that differ, final and best metrics, throughput, wall time."""
     uri = uri or default_uri()
-    client = client_for(uri)
+    client = _client(uri)
     ids = _all_experiment_ids(client)
     runs = [_find_run(client, ids, ref) for ref in run_refs]
     header = ["", *[f"{r.info.run_name} ({r.info.run_id[:8]})" for r in runs]]

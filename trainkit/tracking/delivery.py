@@ -113,12 +113,21 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
     from mlflow.entities import Metric, Param, RunTag
 
     op = chunk[0]["op"]
+    if op == "torn":
+        return
     if op == "create":
         if not state.get("run_id"):
             r = chunk[0]
             exp_id = ensure_experiment(client, r["experiment"], uri)
-            run = client.create_run(exp_id, run_name=r["run_name"], tags=r.get("tags") or {},
-                                    start_time=r.get("ts"))
+            key = r.get("key")
+            found = []
+            if key and state.get("uncertain"):  # an earlier attempt may have created it server-side
+                found = client.search_runs([exp_id], filter_string=f"tags.`trainkit.run_key` = '{key}'")
+            if found:
+                run = found[0]
+            else:
+                tags = dict(r.get("tags") or {}, **({"trainkit.run_key": key} if key else {}))
+                run = client.create_run(exp_id, run_name=r["run_name"], tags=tags, start_time=r.get("ts"))
             state.update(run_id=run.info.run_id, experiment_id=exp_id, uri=uri)
         return
     run_id = state["run_id"]
@@ -202,7 +211,10 @@ class BackgroundDelivery:
         announced_run = bool(Spool(self.run_dir).state().get("run_id"))  # the launcher printed it at start
         announced_error = False
         while not self._stop.is_set():
-            pending, self.last_error = deliver(self.run_dir)
+            try:
+                pending, self.last_error = deliver(self.run_dir)
+            except Exception as exc:  # never let tracking take the launcher down; the spool keeps all
+                pending, self.last_error = Spool(self.run_dir).pending_count(), f"{type(exc).__name__}: {exc}"
             if self.announce:
                 state = Spool(self.run_dir).state()
                 if state.get("run_id") and not announced_run:

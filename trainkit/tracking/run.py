@@ -86,7 +86,9 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
         return None
     spool = Spool(run_dir)
     uri = recipe.tracking.uri or default_uri()
-    create = [{"op": "create", "uri": uri, "experiment": recipe.tracking.experiment,
+    import uuid
+
+    create = [{"op": "create", "uri": uri, "experiment": recipe.tracking.experiment, "key": uuid.uuid4().hex,
                "run_name": recipe.tracking.run_name or recipe.name, "ts": _now_ms(),
                "tags": run_tags(recipe, environment)},
               {"op": "params", "params": flatten(resolved.data)}]
@@ -171,5 +173,3 @@ class MlflowSink:
         pass
 
 
-def enabled(run_dir: Path) -> bool:
-    return Spool(run_dir).path.exists()

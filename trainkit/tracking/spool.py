@@ -18,8 +18,7 @@ from typing import Any, Iterator, Optional
 
 class Spool:
     def __init__(self, run_dir: Path):
-        self.folder = Path(run_dir) / "tracking"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(run_dir) / "tracking"  # created by the first write, not by looking
         self.path = self.folder / "spool.jsonl"
         self.state_path = self.folder / "state.json"
 
@@ -41,9 +40,14 @@ class Spool:
 
     def _write(self, records: list[dict[str, Any]], durable: bool = True) -> None:
         data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, data)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a line torn by a crash stays a (skipped) line of its own
+            view = memoryview(data)
+            while view:  # os.write may write less than asked (full disk, signals)
+                view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
         finally:
@@ -61,7 +65,10 @@ class Spool:
                     continue
                 if not line.endswith(b"\n"):
                     break
-                out.append(json.loads(line))
+                try:
+                    out.append(json.loads(line))
+                except ValueError:  # torn by a machine crash: keep its index, deliver nothing
+                    out.append({"op": "torn"})
         return out
 
     def state(self) -> dict[str, Any]:
@@ -71,6 +78,7 @@ class Spool:
             return {"delivered": 0}
 
     def save_state(self, state: dict[str, Any]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         with open(tmp, "w") as fh:
             json.dump(state, fh)
@@ -83,6 +91,7 @@ class Spool:
 
     @contextmanager
     def _locked(self, name: str, blocking: bool = True) -> Iterator[bool]:
+        self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.folder / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
