@@ -166,7 +166,7 @@ class Loop:
             self.monitors.call("on_step_end", self.state.step, times)
             self.state.samples += global_batch
             step = self.state.step
-            if self.progress:
+            if self.progress and self.progress.due(step):  # .item() syncs the device: a live bar, rate-limited
                 self.progress.update(step, loss.item())
             last = step == t.max_steps
             if step % t.log_every == 0 or last or (t.eval_every and step % t.eval_every == 0):

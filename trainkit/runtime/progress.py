@@ -30,6 +30,16 @@ class Progress:
         return (f"step {step}/{self.max_steps}  loss {loss:.4f}  {self.rate(step):.1f} samples/s  "
                 f"ETA {_clock(eta)}")
 
+    def due(self, step: int) -> bool:
+        """Redraw at most 5 times a second (reading the loss syncs the device) and at the end."""
+        if not self.tty:
+            return False
+        now = time.perf_counter()
+        if now - getattr(self, "_drawn", 0.0) < 0.2 and step < self.max_steps:
+            return False
+        self._drawn = now
+        return True
+
     def update(self, step: int, loss: float) -> None:
         """Every step: redraw the bar (terminal only)."""
         if not self.tty:
