@@ -242,3 +242,11 @@ def test_plan_shows_the_resolved_recipe_what_it_implies_and_the_exact_torchrun_c
     command = out.strip().splitlines()[-1]
     assert command.startswith("torchrun ") and "--nproc-per-node=2" in command
     assert command.endswith("-m trainkit.runtime.worker '<run dir>'")
+
+
+def test_an_unwritable_output_folder_is_a_message_not_a_traceback(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = cli("data", "make-imagefolder", str(blocker / "images"), "--classes", "2", "--per-class", "1")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert str(blocker) in res.stderr

@@ -64,3 +64,16 @@ def test_a_line_torn_by_a_crash_does_not_break_later_appends_or_delivery(tmp_pat
     assert deliver(tmp_path / "run") == (0, None)
     client = MlflowClient(uri)
     assert [m.step for m in client.get_metric_history(spool.state()["run_id"], "loss")] == [0, 1, 2, 3]
+
+
+def test_delivery_resumes_from_its_byte_offset_instead_of_rereading_the_spool(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spool = _spool_run(tmp_path / "run", uri, 5)
+    assert deliver(tmp_path / "run") == (0, None)
+    state = spool.state()
+    assert state["offset"] == spool.path.stat().st_size and state["delivered"] == 8
+    spool.append([{"op": "metric", "key": "loss", "value": 0.1, "ts": 5000, "step": 5}])
+    assert spool.pending(spool.state())[0] == [{"op": "metric", "key": "loss", "value": 0.1, "ts": 5000, "step": 5}]
+    assert deliver(tmp_path / "run") == (0, None)
+    steps = [m.step for m in MlflowClient(uri).get_metric_history(state["run_id"], "loss")]
+    assert steps == [0, 1, 2, 3, 4, 5]

@@ -13,6 +13,13 @@ from typing import Callable, Optional, Sequence
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 
 
+def _positive(text: str) -> int:
+    value = int(text) if text.lstrip("-").isdigit() else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="override recipe values, e.g. trainer.max_steps=20 strategy.name=fsdp")
@@ -90,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     m = data_sub.add_parser("make-imagefolder", help="write a small synthetic ImageFolder of real image files")
     m.add_argument("root", metavar="DIR")
-    m.add_argument("--classes", type=int, default=10)
-    m.add_argument("--per-class", type=int, default=50)
-    m.add_argument("--size", type=int, default=64)
+    m.add_argument("--classes", type=_positive, default=10)
+    m.add_argument("--per-class", type=_positive, default=50)
+    m.add_argument("--size", type=_positive, default=64)
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_imagefolder)
     return parser
@@ -310,6 +317,10 @@ def _run_reporting_errors(func: Callable[[argparse.Namespace], int], args: argpa
     except KeyboardInterrupt:
         print("trainkit: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:  # an unwritable folder, a full disk, a missing file: say which, no traceback
+        where = f": {err.filename}" if err.filename else ""
+        print(f"trainkit: {err.strerror or err}{where}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:
         return EXIT_OK
 

@@ -147,12 +147,11 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
           f"{' in-process' if in_process else ''}, run dir {run_dir}", flush=True)
     environment = json.loads((launch_dir / "environment.json").read_text())
     where = tracking.open_run(resolved, run_dir, launch_dir, environment)
-    if where:
-        print(f"trainkit: tracking: {where}", flush=True)
     delivery = None
     if where:
         from ..tracking.delivery import BackgroundDelivery
 
+        print(f"trainkit: tracking: {where}", flush=True)
         delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
         code, reason = _run_in_process(run_dir) if in_process else _run_torchrun(recipe, run_dir)

@@ -112,6 +112,12 @@ class Loop:
                           total=time.perf_counter() - t_start, forward=forward, comm=comm)
         return total, grad_norm, times
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks (pipeline stages share one batch)."""
+        t = self.recipe.trainer
+        return self.recipe.data.batch_size * self.strategy.data_parallel_size * t.grad_accum_steps
+
     def enable_timing(self, *, forward: bool, precise: bool) -> None:
         """Measure forward separately (a forward hook) and/or with CUDA events; off by default."""
         self.clock = Clock(self.device, precise)
@@ -148,7 +154,7 @@ class Loop:
 
     def run(self) -> dict:
         t = self.recipe.trainer
-        global_batch = self.recipe.data.batch_size * self.strategy.data_parallel_size * t.grad_accum_steps
+        global_batch = self.global_batch
         start_step, t0 = self.state.step, time.perf_counter()
         last_ckpt: Optional[Path] = None
         metrics: dict = {}
@@ -208,11 +214,3 @@ class Loop:
             "checkpoint": str(last_ckpt) if last_ckpt else None,
             "first_step_at": first_step_at, "per_rank_times": per_rank_stats, "report_sections": report_sections,
         }
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

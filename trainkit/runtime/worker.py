@@ -167,8 +167,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
             print(f"trainkit: resumed from {source} (step {loop.state.step}, epoch {loop.state.epoch})",
                   flush=True)
     if rank == 0:
-        global_batch = recipe.data.batch_size * dp_size * recipe.trainer.grad_accum_steps
-        loop.progress = Progress(recipe.trainer.max_steps, loop.state.step, global_batch, enabled=True)
+        loop.progress = Progress(recipe.trainer.max_steps, loop.state.step, loop.global_batch, enabled=True)
         loop.sinks = [JsonlSink(run_dir / "metrics.jsonl"), loop.progress]
         if recipe.tracking.enabled:
             from ..tracking.run import MlflowSink

@@ -67,7 +67,7 @@ def deliver(run_dir: Path) -> tuple[int, Optional[str]]:
         if not mine:
             return spool.pending_count(), None  # another process is delivering right now
         state = spool.state()
-        records = spool.records(state.get("delivered", 0))
+        records, ends = spool.pending(state)
         if not records:
             return 0, None
         uri = state.get("uri") or next((r["uri"] for r in spool.records() if r["op"] == "create"), default_uri())
@@ -84,9 +84,10 @@ def deliver(run_dir: Path) -> tuple[int, Optional[str]]:
                 state["uncertain"] = True
                 spool.save_state(state)
                 return len(records) - i, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            i += n
             state["delivered"] = state.get("delivered", 0) + n
+            state["offset"] = ends[i + n - 1]
             state["uncertain"] = False
+            i += n
             spool.save_state(state)
         return 0, None
 

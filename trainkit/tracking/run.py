@@ -111,8 +111,10 @@ def _model_artifacts(recipe, run_dir: Path, status: str) -> list[dict]:
     is, and the trained model as an MLflow PyTorch model (consolidated from any strategy's files)."""
     from ..runtime.checkpoint import newest_valid
 
-    newest = newest_valid(run_dir / "checkpoints", warn=False)
     records: list[dict] = []
+    if not (recipe.tracking.log_checkpoints or recipe.tracking.log_model):
+        return records  # finding the newest valid checkpoint re-hashes its files: only when asked
+    newest = newest_valid(run_dir / "checkpoints", warn=False)
     if newest is None:
         return records
     if recipe.tracking.log_checkpoints:

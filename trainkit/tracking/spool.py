@@ -56,20 +56,32 @@ class Spool:
     # ---- reading / delivery bookkeeping
     def records(self, start: int = 0) -> list[dict[str, Any]]:
         """Complete records from index `start` (a torn last line from a crash is ignored)."""
+        return self.pending({"delivered": start})[0]
+
+    def pending(self, state: dict[str, Any]) -> tuple[list[dict[str, Any]], list[int]]:
+        """The undelivered records and the byte offset after each, read from where delivery stopped
+        (state["offset"]) so a long run's spool is not re-read from the top every few seconds."""
         if not self.path.exists():
-            return []
-        out = []
+            return [], []
+        offset, skip = state.get("offset"), 0
+        if offset is None:  # nothing delivered yet (or a state written before offsets were kept)
+            offset, skip = 0, state.get("delivered", 0)
+        out, ends = [], []
         with open(self.path, "rb") as fh:
-            for i, line in enumerate(fh):
-                if i < start:
-                    continue
+            fh.seek(offset)
+            for line in fh:
+                offset += len(line)
                 if not line.endswith(b"\n"):
                     break
+                if skip:
+                    skip -= 1
+                    continue
                 try:
                     out.append(json.loads(line))
-                except ValueError:  # torn by a machine crash: keep its index, deliver nothing
+                except ValueError:  # torn by a machine crash: keep its place, deliver nothing
                     out.append({"op": "torn"})
-        return out
+                ends.append(offset)
+        return out, ends
 
     def state(self) -> dict[str, Any]:
         try:
