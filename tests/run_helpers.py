@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 LAUNCH_TIMEOUT_S = 240
+TESTS = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -34,6 +35,10 @@ def env_for(tmp: Path, **extra: str) -> dict:
         env[key] = str(tmp / key.lower())
     env["OMP_NUM_THREADS"] = "1"
     env.pop("TRAINKIT_FAULT_INJECT", None)
+    env.pop("TRAINKIT_FAULT_DELAY", None)
+    # the workers' fault injection (tests/fault_injection.py), active only when a test sets a fault
+    env["TRAINKIT_TEST_HOOKS"] = "fault_injection"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from ..recipe.launch_plan import run_dir_for
 from .check import Check, failed, human_bytes, passed, warned
 
 SHM = "/dev/shm"
@@ -141,8 +142,6 @@ def _disk(resolved, quick: bool) -> Check:
     if resolved is None:
         run_dir = Path("runs")
     else:
-        from ..launch.launcher import run_dir_for
-
         run_dir = run_dir_for(resolved.recipe)
     base = _existing(run_dir)
     setting = "launch.run_dir" + (f" ({resolved.locate(('launch', 'run_dir'))})" if resolved else "")

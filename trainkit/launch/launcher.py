@@ -26,36 +26,16 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .. import doctor
+from ..runtime import preflight, worker
+from ..runtime.checkpoint import newest_valid
+from ..recipe.launch_plan import run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
+from ..tracking import run as tracking
+from ..tracking.delivery import BackgroundDelivery
 from . import failures
-
-WORKER_MODULE = "trainkit.runtime.worker"
-
-
-def run_dir_for(recipe: Recipe) -> Path:
-    return Path(recipe.launch.run_dir) / recipe.name
-
-
-def torchrun_command(recipe: Recipe, run_dir: str | Path) -> list[str]:
-    """The exact torchrun command line a launch uses (printed by `trainkit plan`)."""
-    la = recipe.launch
-    cmd = ["torchrun", f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}"]
-    if la.nnodes in (1, "1") and la.rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        cmd += [f"--rdzv-backend={la.rdzv_backend}", f"--rdzv-id={la.rdzv_id or recipe.name}"]
-        if la.rdzv_endpoint:
-            cmd.append(f"--rdzv-endpoint={la.rdzv_endpoint}")
-        if la.node_rank is not None:
-            cmd.append(f"--node-rank={la.node_rank}")
-    cmd += [f"--max-restarts={la.max_restarts}", f"--monitor-interval={la.monitor_interval:g}",
-            f"--log-dir={Path(run_dir) / 'logs'}"]
-    quiet = [f"{r}:3" for r in range(1, la.nproc_per_node)]  # local rank 0 keeps the console
-    if quiet:
-        cmd.append(f"--redirects={','.join(quiet)}")
-    return cmd + ["-m", WORKER_MODULE, str(run_dir)]
-
+from .artifacts import model_artifacts
 
 # --------------------------------------------------------------------------- run directory
 def _environment() -> dict:
@@ -121,9 +101,6 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
 # --------------------------------------------------------------------------- launch
 def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     """Validate runtime inputs, create the run directory, train. Returns the process exit code."""
-    from ..runtime import preflight
-    from ..tracking import run as tracking
-
     problems = preflight.check(resolved)
     errors = [p for p in problems if p.severity == "error"]
     if problems:
@@ -131,8 +108,6 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     if errors:
         print(f"trainkit: not started: {len(errors)} problem(s) in {recipe_path}", file=sys.stderr)
         return 2
-    from .. import doctor
-
     failed = doctor.before_launch(resolved)  # the quick environment checks: port, GPUs, shm, fds, disk
     if failed:
         print(f"trainkit: not started: {failed} environment check(s) failed (all checks: trainkit doctor "
@@ -149,8 +124,6 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     where = tracking.open_run(resolved, run_dir, launch_dir, environment)
     delivery = None
     if where:
-        from ..tracking.delivery import BackgroundDelivery
-
         print(f"trainkit: tracking: {where}", flush=True)
         delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
@@ -162,7 +135,9 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
         (launch_dir / "failure.txt").write_text(reason + "\n")
     if where:
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
-        print(f"trainkit: {tracking.close_run(run_dir, launch_dir, status, reason or 'completed', recipe)}", flush=True)
+        artifacts, tags = model_artifacts(recipe, run_dir, status)
+        closed = tracking.close_run(run_dir, launch_dir, status, reason or "completed", artifacts, tags)
+        print(f"trainkit: {closed}", flush=True)
     return code
 
 
@@ -174,8 +149,6 @@ def _free_port() -> int:
 
 def _run_in_process(run_dir: Path) -> tuple[int, str]:
     """World size 1: the worker's own code, in this process, under the same env contract as torchrun."""
-    from ..runtime import worker
-
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
     saved = {k: os.environ.get(k) for k in env}
@@ -218,8 +191,6 @@ def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
 
 
 def _stopped(signum: int, run_dir: Path) -> tuple[int, str]:
-    from ..runtime.checkpoint import newest_valid
-
     latest: Optional[Path] = newest_valid(run_dir / "checkpoints", warn=False)
     where = f"newest complete checkpoint: {latest} (resume: auto continues from it)" if latest else \
         "no complete checkpoint was written"

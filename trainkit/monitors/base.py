@@ -7,6 +7,7 @@ monitors pays nothing: the set is empty and no gather happens.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,17 +16,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import registry
+from ..runtime.timing import StepTimes
 
-@dataclass
-class StepTimes:
-    """Where one optimizer step of this rank went, in seconds."""
-
-    data_wait: float  # blocked in the DataLoader
-    compute: float  # forward + backward (with DDP: including the gradient all-reduce it waits for)
-    optimizer: float  # clip + optimizer step + scheduler
-    total: float
-    forward: Optional[float] = None  # set when a forward hook is installed (breakdown)
-    comm: Optional[float] = None  # wall time with a gradient collective in flight (DDP comm timer)
+__all__ = ["Monitor", "MonitorContext", "MonitorSet", "StepTimes", "build_monitors", "context"]
 
 
 @dataclass
@@ -132,14 +126,10 @@ class MonitorSet:
 
 
 def build_monitors(recipe, ctx: MonitorContext) -> MonitorSet:
-    from .. import registry
-
     return MonitorSet([registry.component(options)(options, ctx) for options in recipe.monitors], ctx)
 
 
 def context(recipe, strategy, model, device, run_dir: Path) -> MonitorContext:
-    import os
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     return MonitorContext(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world,

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..runtime.model import build_model
 from .base import Monitor
 
 # dense peak TFLOP/s per GPU: (bf16/fp16 tensor cores, tf32 for fp32 training)
@@ -37,8 +38,6 @@ def peak_flops(device: torch.device, precision: str) -> Optional[float]:
 def count_step_flops(recipe) -> Optional[float]:
     """FLOPs of one forward+backward of one micro-batch per rank, on the meta device."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from ..runtime.model import build_model
 
     shape = getattr(recipe.data, "shape", None)
     if shape is None and hasattr(recipe.data, "image_size"):

@@ -7,12 +7,12 @@ from typing import Sequence
 
 import yaml
 
+from .. import registry
+from .launch_plan import torchrun_command
 from .resolver import Resolved
 
 
 def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> str:
-    from ..launch.launcher import torchrun_command
-
     r = resolved.recipe
     lines = ["# resolved recipe", yaml.safe_dump(resolved.data, sort_keys=False).rstrip(), "", "# what it implies"]
     ws = r.world_size
@@ -39,8 +39,6 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> 
 
 def _strategy_lines(r) -> list[str]:
     """What the strategy class adds to the plan (DeepSpeed: its ds_config, via ds_config_for)."""
-    from .. import registry
-
     try:
         cls = registry.component(r.strategy)
     except Exception:

@@ -21,34 +21,12 @@ from typing import Any, Optional
 
 import torch
 
+from .files import fsync_dir, fsync_save, sha256_file
+
 PREFIX = "step-"
 
 
 # --------------------------------------------------------------------------- files
-def fsync_save(obj: Any, path: Path) -> None:
-    """torch.save that reaches the disk before returning."""
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def recipe_hash(data: dict) -> str:
     """Hash of the resolved recipe, stored in each checkpoint to notice a changed recipe on resume."""
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
@@ -176,11 +154,11 @@ class Checkpointer:
             json.dump(meta, fh, indent=2)
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a step redone after resuming from an older checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         kept = [f for f in step_folders(self.dir) if _step_of(f) <= step]  # newest first, this one included
         for old in kept[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)

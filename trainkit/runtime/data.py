@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .. import registry
 from ..recipe.blocks import Cifar10Data, DataOptions, ImageFolderData, SyntheticData
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -200,7 +201,5 @@ def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size
 
 
 def build_datasets(options: DataOptions, seed: int) -> tuple[Dataset, Optional[Dataset]]:
-    from .. import registry
-
     build = registry.component(options)
     return build(options, split="train", seed=seed), build(options, split="eval", seed=seed)

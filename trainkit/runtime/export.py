@@ -1,37 +1,46 @@
 """`trainkit export CHECKPOINT_DIR OUT.pt`: one plain state_dict for inference, whatever strategy
 wrote the checkpoint (DDP's single file, FSDP's DCP shards, pipeline stages, DeepSpeed ZeRO
-partitions). Runs in one process, without a process group.
+partitions, or a plugin strategy's own). Runs in one process, without a process group.
+
+Strategies are found through the plugin registry, so a third-party strategy that implements
+`owns_checkpoint` / `consolidated_state_dict` exports like the built-in ones.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
-STRATEGIES = (  # each class says whether it wrote a folder and how to consolidate it
-    "trainkit.strategies.ddp:DDPStrategy",
-    "trainkit.strategies.fsdp:FSDPStrategy",
-    "trainkit.strategies.pipeline:PipelineStrategy",
-    "trainkit.strategies.deepspeed:DeepSpeedStrategy",
-)
+import torch
+
+from .. import registry
+from .checkpoint import problem_with
+from .files import fsync_save
 
 
 class ExportError(Exception):
     pass
 
 
+def _strategy_classes() -> Iterator[type]:
+    """Every registered strategy's implementation (a plugin that fails to import is skipped)."""
+    for name in registry.names("strategies"):
+        try:
+            options = registry.load("strategies", name)
+            yield registry.import_path(options.component)
+        except Exception:  # a broken plugin must not stop the export of another strategy's checkpoint
+            continue
+
+
 def consolidated_state_dict(folder: Path) -> tuple[str, dict]:
     """(strategy class name, whole-model state_dict on the CPU)."""
-    from .. import registry
-    from .checkpoint import problem_with
-
     folder = Path(folder)
     if not folder.is_dir():
         raise ExportError(f"{folder}: no such checkpoint folder")
     why = problem_with(folder)
     if why:
         raise ExportError(f"{folder}: not a complete checkpoint: {why}")
-    for path in STRATEGIES:
-        cls = registry.import_path(path)
+    for cls in _strategy_classes():
         if cls.owns_checkpoint(folder):
             return cls.__name__, cls.consolidated_state_dict(folder)
     raise ExportError(f"{folder}: no strategy recognises its files ({', '.join(sorted(p.name for p in folder.iterdir()))})")
@@ -39,10 +48,6 @@ def consolidated_state_dict(folder: Path) -> tuple[str, dict]:
 
 def export(folder: Path, out: Path) -> str:
     """Write the consolidated state_dict to `out` (fp32 or the training dtype, plain tensors)."""
-    import torch
-
-    from .checkpoint import fsync_save
-
     name, state = consolidated_state_dict(folder)
     state = {k: (v.detach().cpu().contiguous() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,9 @@
 """The training loop: accumulation, clipping, precision, evaluation, checkpoints, metrics.
 
-It talks to the model only through a Strategy and a Precision, so it has no branch on either.
+It talks to its collaborators only through the protocols in `runtime.protocols` — a Strategy
+(forward/backward, optimizer step), a Precision, a Task (batch to device, loss, eval metrics),
+a Checkpointer, metric sinks and the monitor hooks — all passed at construction, so it has no
+branch on any of them and imports none of their implementations.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from ..monitors.base import MonitorSet, StepTimes
 from ..recipe.schema import Recipe
+from .protocols import Checkpointer, MetricSink, MonitorHooks, NoMonitors, Precision, Progress, Strategy, Task
 from .stats import RunStats
-from .timing import Clock
+from .timing import Clock, ForwardMarks, StepTimes
 
 
 @dataclass
@@ -30,31 +33,39 @@ class TrainState:
     skipped_images: int = 0  # unreadable images replaced (this rank)
 
 
-@dataclass
+def global_batch(recipe: Recipe, data_parallel_size: int) -> int:
+    """Samples per optimizer step over all data-parallel ranks (pipeline stages share one batch)."""
+    return recipe.data.batch_size * data_parallel_size * recipe.trainer.grad_accum_steps
+
+
+def restore_trainer_state(saved: dict, scheduler, precision: Precision) -> TrainState:
+    """Apply a checkpoint's trainer state (from `Loop.trainer_state`) and return the progress."""
+    scheduler.load_state_dict(saved["scheduler"])
+    precision.load_state_dict(saved["scaler"])
+    return TrainState(**saved["progress"])
+
+
+@dataclass(kw_only=True)
 class Loop:
     recipe: Recipe
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    strategy: object
-    precision: object
+    strategy: Strategy
+    precision: Precision
+    task: Task
     train_loader: torch.utils.data.DataLoader
     eval_loader: Optional[torch.utils.data.DataLoader]
-    checkpointer: object
+    checkpointer: Checkpointer
     device: torch.device
+    clock: Clock
     state: TrainState = field(default_factory=TrainState)
-    sinks: list = field(default_factory=list)  # rank 0 only: objects with log(metrics, step)
-    progress: object = None
+    sinks: list[MetricSink] = field(default_factory=list)  # rank 0 only
+    progress: Optional[Progress] = None  # rank 0 only; also one of the sinks
+    monitors: MonitorHooks = field(default_factory=NoMonitors)  # every rank
+    forward_marks: Optional[ForwardMarks] = None  # set when a monitor times the forward separately
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)
-    loss_fn: nn.Module = field(default_factory=nn.CrossEntropyLoss)
-    monitors: MonitorSet = None  # every rank; empty unless the recipe names monitors
     stats: RunStats = field(default_factory=RunStats)
-    clock: Clock = None
-    _forward_marks: Optional[list] = None
-
-    def __post_init__(self):
-        self.clock = self.clock or Clock(self.device, precise=False)
-        self.monitors = self.monitors if self.monitors is not None else MonitorSet([], None)
 
     # ------------------------------------------------------------------ data
     def batches(self) -> Iterator:
@@ -75,10 +86,9 @@ class Loop:
             self.state.batches_in_epoch = 0
 
     def _to_device(self, batch):
-        x, y = batch[0], batch[1]
-        if len(batch) > 2:
+        if len(batch) > 2:  # the dataset's unreadable-image flags
             self.state.skipped_images += int(batch[2].sum())
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return self.task.to_device(batch)
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, data: Iterator) -> tuple[torch.Tensor, Optional[torch.Tensor], StepTimes]:
@@ -86,21 +96,22 @@ class Loop:
         total = torch.zeros((), device=self.device)
         clock, t_start = self.clock, time.perf_counter()
         data_wait = compute = 0.0
-        forward = 0.0 if self._forward_marks is not None else None
+        marks = self.forward_marks
+        forward = 0.0 if marks is not None else None
         for micro in range(accum):
             t0 = time.perf_counter()
             x, y = self._to_device(next(data))
             data_wait += time.perf_counter() - t0
-            if self._forward_marks:
-                self._forward_marks.clear()  # marks left by evaluate()'s forwards are not this step's
+            if marks:
+                marks.clear()  # marks left by evaluate()'s forwards are not this step's
             c0 = clock.mark()
-            total += self.strategy.forward_backward(self.model, x, y, self.loss_fn, self.precision,
+            total += self.strategy.forward_backward(self.model, x, y, self.task.loss_fn, self.precision,
                                                     grad_accum_steps=accum, last_micro_step=micro == accum - 1)
             c1 = clock.mark()
             compute += clock.seconds(c0, c1)
-            if self._forward_marks:
-                forward += clock.seconds(c0, self._forward_marks[0])
-                self._forward_marks.clear()
+            if marks and marks.marks:
+                forward += clock.seconds(c0, marks.marks[0])
+                marks.clear()
         o0 = clock.mark()
         grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
                                                  self.recipe.trainer.grad_clip)
@@ -114,43 +125,25 @@ class Loop:
 
     @property
     def global_batch(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks (pipeline stages share one batch)."""
-        t = self.recipe.trainer
-        return self.recipe.data.batch_size * self.strategy.data_parallel_size * t.grad_accum_steps
-
-    def enable_timing(self, *, forward: bool, precise: bool) -> None:
-        """Measure forward separately (a forward hook) and/or with CUDA events; off by default."""
-        self.clock = Clock(self.device, precise)
-        if forward and self._forward_marks is None:
-            self._forward_marks = []
-            self.model.register_forward_hook(lambda *_: self._forward_marks.append(self.clock.mark()))
+        return global_batch(self.recipe, self.strategy.data_parallel_size)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i, batch in enumerate(self.eval_loader):
             if i >= self.recipe.trainer.eval_steps:
                 break
-            x, y = batch[0].to(self.device), batch[1].to(self.device)
+            x, y = self.task.to_device(batch)
             out = self.strategy.eval_forward(self.model, x, self.precision)
-            sums += torch.stack([nn.functional.cross_entropy(out.float(), y, reduction="sum").double(),
-                                 (out.argmax(1) == y).sum().double(), torch.tensor(float(len(y)), device=self.device,
-                                                                                   dtype=torch.float64)])
+            sums += self.task.eval_sums(out, y)
         self.model.train()
-        sums = self.strategy.all_reduce_sum(sums)
-        n = max(sums[2].item(), 1.0)
-        return {"eval_loss": sums[0].item() / n, "eval_accuracy": sums[1].item() / n}
+        return self.task.eval_metrics(self.strategy.all_reduce_sum(sums))
 
     # ------------------------------------------------------------------ the loop
     def trainer_state(self) -> dict:
         return {"progress": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.state_dict()}
-
-    def load_trainer_state(self, saved: dict) -> None:
-        self.state = TrainState(**saved["progress"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.precision.load_state_dict(saved["scaler"])
 
     def run(self) -> dict:
         t = self.recipe.trainer

@@ -1,17 +1,10 @@
-"""Metric sinks: objects with `log(metrics, step)` and `close()`. MLflow and monitors plug in here."""
+"""metrics.jsonl: the run directory's own record of every logged step (a `protocols.MetricSink`)."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Protocol
-
-
-class MetricsSink(Protocol):
-    def log(self, metrics: dict, step: int) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class JsonlSink:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..monitors.base import StepTimes
+from .timing import StepTimes
 
 WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up
 FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm")

@@ -9,9 +9,22 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+@dataclass
+class StepTimes:
+    """Where one optimizer step of this rank went, in seconds (the loop produces it, monitors read it)."""
+
+    data_wait: float  # blocked in the DataLoader
+    compute: float  # forward + backward (with DDP: including the gradient all-reduce it waits for)
+    optimizer: float  # clip + optimizer step + scheduler
+    total: float
+    forward: Optional[float] = None  # set when a forward hook is installed (breakdown)
+    comm: Optional[float] = None  # wall time with a gradient collective in flight (DDP comm timer)
 
 
 class Clock:
@@ -79,3 +92,15 @@ def timed_hook(hook, timer: Optional[CommTimer]):
         return fut.then(done)
 
     return wrapped
+
+
+class ForwardMarks:
+    """Clock marks taken when the model's forward returns (a forward hook), so a step's forward
+    time can be told apart from its backward. Installed only when a monitor asks for it."""
+
+    def __init__(self, model: torch.nn.Module, clock: Clock):
+        self.clock, self.marks = clock, []
+        model.register_forward_hook(lambda *_: self.marks.append(self.clock.mark()))
+
+    def clear(self) -> None:
+        self.marks.clear()

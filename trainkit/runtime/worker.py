@@ -4,13 +4,13 @@ called in-process by the launcher when the world size is 1).
 Reads RUN_DIR/recipe.yaml (the fully resolved recipe the launcher wrote), joins the process group,
 builds every component from the recipe, runs the loop, and always leaves the group cleanly.
 
-Test-only fault injection: TRAINKIT_FAULT_INJECT="rank=1,step=7" makes that rank `os._exit(1)`
-right after that optimizer step, on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so
-tests can check that torchrun restarts and resume lose nothing. Never set it in real runs.
+This module is the composition root of one rank: it builds every collaborator and hands them to
+`Loop` at construction. Tests inject faults through TRAINKIT_TEST_HOOKS (see `_test_hooks`).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -25,8 +25,21 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import registry
+from ..monitors.base import build_monitors, context
+from ..monitors.bottleneck import diagnose
 from ..recipe import resolve
 from ..recipe.schema import Recipe
+from ..tracking.run import MlflowSink
+from .checkpoint import Checkpointer, recipe_hash, resume_source
+from .data import build_datasets, make_loader
+from .loop import Loop, TrainState, global_batch, restore_trainer_state
+from .metrics import JsonlSink
+from .model import build_model
+from .optim import build_optimizer, build_scheduler
+from .precision import Precision
+from .progress import Progress
+from .task import ClassificationTask
+from .timing import Clock, CommTimer, ForwardMarks
 
 
 class StopRequested(KeyboardInterrupt):
@@ -58,46 +71,18 @@ def backend_for(recipe: Recipe) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def fault_hook(rank: int) -> Optional[callable]:
-    """The TRAINKIT_FAULT_INJECT test hook for this rank, or None."""
-    spec = os.environ.get("TRAINKIT_FAULT_INJECT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
-    if int(fields.get("rank", -1)) != rank:
-        return None
-    at = int(fields["step"])
-
-    def hook(step: int) -> None:
-        if step == at:
-            print(f"trainkit: TRAINKIT_FAULT_INJECT: rank {rank} exits at step {step}", file=sys.stderr, flush=True)
-            os._exit(1)
-
-    return hook
-
-
-def fault_delay(rank: int):
-    """Test-only: TRAINKIT_FAULT_DELAY="rank=1,ms=40" slows that rank's every forward (a straggler)."""
-    spec = os.environ.get("TRAINKIT_FAULT_DELAY")
-    if not spec:
-        return None
-    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
-    if int(fields.get("rank", -1)) != rank:
-        return None
-    import time
-
-    seconds = float(fields.get("ms", "50")) / 1000
-
-    def delay(module, args):
-        time.sleep(seconds)
-
-    return delay
+def _test_hooks(model: torch.nn.Module, rank: int) -> list:
+    """TRAINKIT_TEST_HOOKS=module: the test suite's fault injection (tests/fault_injection.py) gets
+    the model and rank and returns step hooks. Set only by tests, from the environment, never from a
+    recipe."""
+    name = os.environ.get("TRAINKIT_TEST_HOOKS")
+    if not name:
+        return []
+    return list(importlib.import_module(name).install(model=model, rank=rank))
 
 
 def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
     """reports/breakdown.json (the evidence) and reports/bottleneck.md; returns the console lines."""
-    from ..monitors.bottleneck import diagnose
-
     reports = run_dir / "reports"
     reports.mkdir(exist_ok=True)
     evidence = {"name": recipe.name, "per_rank": summary.pop("per_rank_times"),
@@ -112,15 +97,6 @@ def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
 
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
     """Build the components from the recipe and run the loop; returns the summary (rank 0 meaningful)."""
-    from .checkpoint import Checkpointer, recipe_hash, resume_source
-    from .data import build_datasets, make_loader
-    from .loop import Loop
-    from .metrics import JsonlSink
-    from .model import build_model
-    from .optim import build_optimizer, build_scheduler
-    from .precision import Precision
-    from .progress import Progress
-
     rank = dist.get_rank()
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
@@ -129,8 +105,6 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision,
                                                    recipe=recipe)
     if any(type(m).needs_comm_time for m in recipe.monitors):
-        from .timing import CommTimer
-
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
@@ -148,42 +122,37 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
 
     ckpt_dir = run_dir / "checkpoints"
     checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_hash(recipe_data))
-    from ..monitors.base import build_monitors, context
-
     monitors = build_monitors(recipe, context(recipe, strategy, model, device, run_dir))
-    loop = Loop(recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler, strategy=strategy,
-                precision=precision, train_loader=train_loader, eval_loader=eval_loader,
-                checkpointer=checkpointer, device=device, monitors=monitors)
-    loop.enable_timing(forward=any(type(m).needs_forward_time for m in recipe.monitors),
-                       precise=any(type(m).precise_timing for m in recipe.monitors))
-    delay = fault_delay(rank)
-    if delay:
-        model.register_forward_pre_hook(delay)
+    clock = Clock(device, precise=any(type(m).precise_timing for m in recipe.monitors))
+    forward_marks = ForwardMarks(model, clock) if any(type(m).needs_forward_time for m in recipe.monitors) else None
+    step_hooks = _test_hooks(model, rank)
+
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     source = resume_source(recipe.trainer.resume, ckpt_dir, restart, warn=rank == 0)
+    state = TrainState()
     if source is not None:
-        loop.load_trainer_state(checkpointer.load(source, model, optimizer))
+        state = restore_trainer_state(checkpointer.load(source, model, optimizer), scheduler, precision)
         if rank == 0:
-            print(f"trainkit: resumed from {source} (step {loop.state.step}, epoch {loop.state.epoch})",
-                  flush=True)
+            print(f"trainkit: resumed from {source} (step {state.step}, epoch {state.epoch})", flush=True)
+    progress, sinks = None, []
     if rank == 0:
-        loop.progress = Progress(recipe.trainer.max_steps, loop.state.step, loop.global_batch, enabled=True)
-        loop.sinks = [JsonlSink(run_dir / "metrics.jsonl"), loop.progress]
+        progress = Progress(recipe.trainer.max_steps, state.step, global_batch(recipe, dp_size), enabled=True)
+        sinks = [JsonlSink(run_dir / "metrics.jsonl"), progress]
         if recipe.tracking.enabled:
-            from ..tracking.run import MlflowSink
-
-            loop.sinks.append(MlflowSink(run_dir))
-    hook = fault_hook(rank)
-    if hook:
-        loop.step_hooks.append(hook)
+            sinks.append(MlflowSink(run_dir))
+    loop = Loop(recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler, strategy=strategy,
+                precision=precision, task=ClassificationTask(device), train_loader=train_loader,
+                eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
+                sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
+                step_hooks=step_hooks)
     try:
         summary = loop.run()
     except BaseException as exc:
         monitors.call("on_exception", exc)
         raise
     finally:
-        for sink in loop.sinks:
-            if sink is not loop.progress:
+        for sink in sinks:
+            if sink is not progress:
                 sink.close()
     if summary["checkpoint"] is None and source is not None:
         summary["checkpoint"] = str(source)

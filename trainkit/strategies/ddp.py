@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..recipe.blocks import DDPOptions
-from ..runtime.checkpoint import fsync_save
+from ..runtime.files import fsync_save
+from ..runtime.timing import timed_hook
 from .base import Strategy
 
 
@@ -30,8 +31,6 @@ class DDPStrategy(Strategy):
     def _register_hook(self, ddp: DDP) -> None:
         """The recipe's comm hook; timed when a monitor measures communication (`comm_timer`)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        from ..runtime.timing import timed_hook
 
         hook, state = self.options.comm_hook, None
         if hook == "fp16_compress":

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..recipe.blocks import DeepSpeedOptions
+from ..runtime.files import fsync_save
 from .base import Strategy
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
@@ -130,8 +131,6 @@ class DeepSpeedStrategy(Strategy):
         model.save_checkpoint(str(folder), tag=TAG, save_latest=False)
         # top-level marker (hashed into meta.json with the other top-level files)
         if self.rank == 0:
-            from ..runtime.checkpoint import fsync_save
-
             fsync_save({"tag": TAG, "zero_stage": self.options.zero_stage, "world_size": self.world_size},
                        folder / "deepspeed.pt")
 

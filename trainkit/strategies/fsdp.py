@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..recipe.blocks import FSDPOptions
+from ..runtime.model import build_model
 from .base import Strategy
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
@@ -157,8 +158,6 @@ class FSDPStrategy(Strategy):
     # ---- class-level hooks
     @classmethod
     def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
-        from ..runtime.model import build_model
-
         names = recipe.strategy.wrap
         if not names:
             return

@@ -19,6 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..recipe.blocks import PipelineOptions
+from ..recipe.problems import did_you_mean
+from ..runtime.files import fsync_save
+from ..runtime.model import build_model
 from .base import Strategy
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -233,8 +236,6 @@ class PipelineStrategy(Strategy):
 
     # ---- checkpoints: one file per stage (its blocks and its optimizer state), written by its rank
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        from ..runtime.checkpoint import fsync_save
-
         full = optimizer.state_dict()
         for stage_id, m in zip(self.stage_ids, self.modules):
             g = self.groups_of_stage.get(stage_id)
@@ -273,8 +274,6 @@ class PipelineStrategy(Strategy):
     def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
         """Split points must exist (the model is built on the meta device), stages must fit the world
         size and the schedule, and what the strategy cannot do yet is said before launch."""
-        from ..runtime.model import build_model
-
         o = recipe.strategy
         if recipe.trainer.eval_every:
             yield ("trainer", "eval_every"), "evaluation is not supported by the pipeline strategy yet; " \
@@ -295,8 +294,6 @@ class PipelineStrategy(Strategy):
         if o.split_points:
             for i, point in enumerate(o.split_points):
                 if not any(n == point or n.startswith(point + ".") for n in names):
-                    from ..recipe.problems import did_you_mean
-
                     yield ("strategy", "split_points", i), (
                         f"split point '{point}' is not a module of {recipe.model.name}{did_you_mean(point, names)} "
                         f"(blocks in forward order: {', '.join(names)})"), "error"

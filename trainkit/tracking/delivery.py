@@ -148,43 +148,11 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             client.log_artifacts(run_id, str(path), chunk[0].get("dir"))
         elif path.is_file():
             client.log_artifact(run_id, str(path), chunk[0].get("dir"))
-    elif op == "model":  # optional: a model that cannot be saved must not hold back the run's status
-        try:
-            _log_model(client, run_id, chunk[0])
-        except Exception as exc:
-            client.set_tag(run_id, "trainkit.log_model_error", f"{type(exc).__name__}: {exc}"[:5000])
     elif op == "status":
         if chunk[0]["status"] == "RUNNING":
             client.update_run(run_id, status="RUNNING")
         else:
             client.set_terminated(run_id, chunk[0]["status"], end_time=chunk[0].get("ts"))
-
-
-def _log_model(client, run_id: str, record: dict) -> None:
-    """The trained model as an MLflow PyTorch model (`mlflow.pytorch.load_model` gives it back)."""
-    import tempfile
-
-    import mlflow.pytorch
-
-    from ..recipe import resolve
-    from ..runtime.export import consolidated_state_dict
-    from ..runtime.model import build_model
-
-    import torch
-
-    recipe = resolve(record["recipe"]).recipe
-    model = build_model(recipe.model.model_copy(update={"weights": None}))
-    model.load_state_dict(consolidated_state_dict(Path(record["checkpoint"]))[1])
-    model.eval()
-    data = recipe.data
-    shape = getattr(data, "shape", None) or [3, getattr(data, "image_size", 224), getattr(data, "image_size", 224)]
-    with tempfile.TemporaryDirectory() as tmp:
-        try:  # MLflow 3's default: a torch.export graph, which needs an example input
-            mlflow.pytorch.save_model(model, f"{tmp}/model", input_example=torch.zeros(2, *shape).numpy())
-        except Exception:  # models torch.export cannot trace: the pickled module
-            mlflow.pytorch.save_model(model, f"{tmp}/model.pickle", serialization_format="pickle")
-            Path(f"{tmp}/model.pickle").rename(f"{tmp}/model")
-        client.log_artifacts(run_id, f"{tmp}/model", "model")
 
 
 def _not_yet_logged(client, run_id: str, points: list) -> list:

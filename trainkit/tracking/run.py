@@ -15,8 +15,10 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+from .. import __version__
+from .delivery import default_uri, deliver
 from .spool import Spool
 
 MAX_PARAM = 6000  # MLflow's limit on a param value
@@ -53,8 +55,6 @@ def _git_commit(folder: str) -> Optional[str]:
 
 
 def run_tags(recipe, environment: dict) -> dict[str, str]:
-    from .. import __version__
-
     tags = {
         "trainkit.version": __version__, "strategy": recipe.strategy.name, "precision": recipe.precision,
         "world_size": str(recipe.world_size), "nodes": str(recipe.launch.nnodes),
@@ -79,8 +79,6 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
 
     Returns a one-line description of where tracking goes, or None when tracking is disabled.
     """
-    from .delivery import default_uri, deliver
-
     recipe = resolved.recipe
     if not recipe.tracking.enabled:
         return None
@@ -106,29 +104,14 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
     return where
 
 
-def _model_artifacts(recipe, run_dir: Path, status: str) -> list[dict]:
-    """What `tracking.log_checkpoints` / `tracking.log_model` add: the newest checkpoint folder as it
-    is, and the trained model as an MLflow PyTorch model (consolidated from any strategy's files)."""
-    from ..runtime.checkpoint import newest_valid
-
-    records: list[dict] = []
-    if not (recipe.tracking.log_checkpoints or recipe.tracking.log_model):
-        return records  # finding the newest valid checkpoint re-hashes its files: only when asked
-    newest = newest_valid(run_dir / "checkpoints", warn=False)
-    if newest is None:
-        return records
-    if recipe.tracking.log_checkpoints:
-        records.append({"op": "artifact", "path": str(newest), "dir": f"checkpoints/{newest.name}"})
-    if recipe.tracking.log_model and status == "FINISHED":
-        records.append({"op": "model", "recipe": str(run_dir / "recipe.yaml"), "checkpoint": str(newest)})
-    return records
-
-
-def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str, recipe=None,
+def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
+              extra_artifacts: Sequence[tuple[Path, Optional[str]]] = (), extra_tags: Optional[dict] = None,
               timeout: float = 30.0) -> str:
-    """Spool the artifacts and the final status, deliver, and say what happened."""
-    from .delivery import deliver
+    """Spool the artifacts and the final status, deliver, and say what happened.
 
+    `extra_artifacts` (path, artifact folder) come from the training side: the newest checkpoint
+    and the saved MLflow model (`tracking.log_checkpoints` / `log_model`), so tracking never needs
+    to rebuild a model itself."""
     spool = Spool(run_dir)
     if not spool.records():
         return ""
@@ -138,9 +121,8 @@ def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str, recipe=
         (launch_dir / "failure.txt", f"launches/{launch_dir.name}"), (run_dir / "reports", "reports"),
         (run_dir / "profiler", "profiler"),
     ) if p.exists()]
-    if recipe is not None:
-        records += _model_artifacts(recipe, run_dir, status)
-    records.append({"op": "tags", "tags": {"trainkit.status_reason": reason[:5000]}})
+    records += [{"op": "artifact", "path": str(p), "dir": d} for p, d in extra_artifacts if Path(p).exists()]
+    records.append({"op": "tags", "tags": dict(extra_tags or {}, **{"trainkit.status_reason": reason[:5000]})})
     records.append({"op": "status", "status": status, "ts": _now_ms()})
     spool.append(records)
     deadline = time.monotonic() + timeout

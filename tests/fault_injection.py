@@ -1,0 +1,41 @@
+"""Test-only fault injection for `trainkit run` workers, activated by TRAINKIT_TEST_HOOKS=fault_injection
+(tests/run_helpers.py sets it, with this folder on PYTHONPATH). Never part of a real run.
+
+- TRAINKIT_FAULT_INJECT="rank=1,step=7": that rank `os._exit(1)`s right after that optimizer step,
+  on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so tests can check that torchrun
+  restarts and that resume loses nothing.
+- TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def _fields(spec: str) -> dict:
+    return dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+
+
+def install(*, model, rank: int) -> list:
+    """Install the faults the environment asks for on this rank; returns step hooks for the loop."""
+    hooks = []
+    spec = os.environ.get("TRAINKIT_FAULT_INJECT")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        fields = _fields(spec)
+        if int(fields.get("rank", -1)) == rank:
+            at = int(fields["step"])
+
+            def exit_at(step: int) -> None:
+                if step == at:
+                    print(f"trainkit: TRAINKIT_FAULT_INJECT: rank {rank} exits at step {step}", file=sys.stderr,
+                          flush=True)
+                    os._exit(1)
+
+            hooks.append(exit_at)
+    spec = os.environ.get("TRAINKIT_FAULT_DELAY")
+    if spec and int(_fields(spec).get("rank", -1)) == rank:
+        seconds = float(_fields(spec).get("ms", "50")) / 1000
+        model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+    return hooks
