@@ -5,6 +5,7 @@
   on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so tests can check that torchrun
   restarts and that resume loses nothing.
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
+- TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step.
 """
 
 from __future__ import annotations
@@ -38,4 +39,24 @@ def install(*, model, rank: int) -> list:
     if spec and int(_fields(spec).get("rank", -1)) == rank:
         seconds = float(_fields(spec).get("ms", "50")) / 1000
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
-    return hooks
+    return hooks + install_nan(model=model, rank=rank)
+
+
+def install_nan(*, model, rank: int) -> list:
+    """TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that optimizer step."""
+    spec = os.environ.get("TRAINKIT_FAULT_NAN")
+    if not spec or int(_fields(spec).get("rank", -1)) != rank:
+        return []
+    at, current = int(_fields(spec)["step"]), [1]
+
+    def poison(module, args, output):
+        if module.training and current[0] == at:
+            return output * float("nan")
+        return output
+
+    model.register_forward_hook(poison)
+
+    def advance(step: int) -> None:
+        current[0] = step + 1
+
+    return [advance]

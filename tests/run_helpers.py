@@ -36,9 +36,11 @@ def env_for(tmp: Path, **extra: str) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     env.pop("TRAINKIT_FAULT_INJECT", None)
     env.pop("TRAINKIT_FAULT_DELAY", None)
-    # the workers' fault injection (tests/fault_injection.py), active only when a test sets a fault
-    env["TRAINKIT_TEST_HOOKS"] = "fault_injection"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    env.pop("TRAINKIT_FAULT_NAN", None)
+    env.pop("TRAINKIT_TEST_HOOKS", None)
+    if any(key.startswith("TRAINKIT_FAULT_") for key in extra):  # only then: the workers' fault injection
+        env["TRAINKIT_TEST_HOOKS"] = "fault_injection"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 

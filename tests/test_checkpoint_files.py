@@ -32,7 +32,7 @@ def save(ckpt: Checkpointer, step: int) -> Path:
 
 
 def test_nested_files_are_hashed_so_a_corrupt_shard_is_detected(tmp_path):
-    ckpt = Checkpointer(tmp_path, OneProcess(), keep=3, recipe_sha256="r")
+    ckpt = Checkpointer(tmp_path, OneProcess(), keep=3, recipe_data={"name": "r"})
     folder = save(ckpt, 4)
     assert problem_with(folder) is None
     shard = folder / "zero" / "shard-0.pt"
@@ -43,11 +43,11 @@ def test_nested_files_are_hashed_so_a_corrupt_shard_is_detected(tmp_path):
 
 
 def test_resuming_from_an_older_checkpoint_keeps_new_saves_and_sets_newer_ones_aside(tmp_path):
-    ckpt = Checkpointer(tmp_path, OneProcess(), keep=1, recipe_sha256="r")
+    ckpt = Checkpointer(tmp_path, OneProcess(), keep=1, recipe_data={"name": "r"})
     old = save(ckpt, 50)
     save(ckpt, 100)  # keep=1: step 50 rotated away ...
     assert [f.name for f in step_folders(tmp_path)] == ["step-00000100"]
-    old = save(Checkpointer(tmp_path / "other", OneProcess(), keep=1, recipe_sha256="r"), 50)
+    old = save(Checkpointer(tmp_path / "other", OneProcess(), keep=1, recipe_data={"name": "r"}), 50)
     target = tmp_path / old.name
     old.rename(target)  # ... a user resumes from an older checkpoint folder of this run
     ckpt.load(target, torch.nn.Linear(2, 2), None)

@@ -1,11 +1,13 @@
 """MLflow tracking through real `trainkit run` launches (2 gloo ranks), read back with MlflowClient:
-one run per job (also across a torchrun restart and a later resume), params/tags/metrics/artifacts,
+one run per job (a resume that rewinds nothing continues it; one that rewinds opens a linked new run), params/tags/metrics/artifacts,
 the final status, and every point delivered exactly once across a tracking-server outage."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sqlite3
 import socket
 import subprocess
 import sys
@@ -54,19 +56,45 @@ def test_one_run_with_params_tags_metrics_artifacts_on_the_embedded_store(tmp_pa
     assert {"recipe.yaml", "summary.json", "launches"} <= artifacts
 
 
-def test_a_torchrun_restart_and_a_later_resume_continue_the_same_run(tmp_path):
+def rows_per_key_step(db: Path) -> dict:
+    """(run, key, step) -> how many values mlflow.db holds (read straight from the store's table)."""
+    with sqlite3.connect(db) as con:
+        return {(r, k, s): n for r, k, s, n in
+                con.execute("SELECT run_uuid, key, step, COUNT(*) FROM metrics GROUP BY run_uuid, key, step")}
+
+
+def test_a_restart_that_rewinds_continues_in_a_new_linked_run_with_one_value_per_step(tmp_path):
+    """Guards "one value per (key, step)": rank 1 dies after step 7, the restart resumes from step 4 and
+    redoes 5..7. The dead attempt's run ends KILLED, superseded; the job's current run holds steps 1..12
+    exactly once (1..4 copied, the rest trained), linked by trainkit tags; metrics.jsonl has each step
+    once and the dead attempt's lines set aside. A later resume that rewinds nothing keeps the run."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     recipe = tracked(tmp_path, "resumed", uri, launch={"max_restarts": 1})
     first = trainkit(tmp_path, "run", str(recipe), TRAINKIT_FAULT_INJECT="rank=1,step=7")
     assert first.returncode == 0, first.output
-    client, run = only_run(uri)
-    # steps 5..7 ran twice (resumed from the step-4 checkpoint); every step is there, in order
-    assert sorted(set(steps(client, run))) == list(range(1, 13))
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert len(runs) == 2, [r.info.run_id for r in runs]
+    current = next(r for r in runs if "trainkit.superseded_by" not in r.data.tags)
+    old = next(r for r in runs if "trainkit.superseded_by" in r.data.tags)
+    assert current.info.status == "FINISHED" and old.info.status == "KILLED"
+    assert old.data.tags["trainkit.superseded_by"] == current.info.run_id
+    assert current.data.tags["trainkit.previous_run"] == old.info.run_id
+    assert current.data.params == old.data.params
+    assert steps(client, current) == list(range(1, 13))  # in order, each once
+    assert not [k for k, n in rows_per_key_step(tmp_path / "mlflow.db").items() if n > 1]
+    run_dir = tmp_path / "runs" / "resumed"
+    assert [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == \
+        list(range(1, 13))
+    aside = list(run_dir.glob("metrics.rewound-*.jsonl"))
+    assert len(aside) == 1 and [json.loads(x)["step"] for x in aside[0].read_text().splitlines()] == [5, 6, 7]
+
     second = trainkit(tmp_path, "run", str(recipe), "trainer.max_steps=16")
     assert second.returncode == 0, second.output
-    client, again = only_run(uri)
-    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
-    assert steps(client, again)[-4:] == [13, 14, 15, 16]
+    again = client.get_run(current.info.run_id)
+    assert again.info.status == "FINISHED" and "trainkit.superseded_by" not in again.data.tags
+    assert steps(client, again) == list(range(1, 17))
+    assert len(client.search_runs([client.get_experiment_by_name("tests").experiment_id])) == 2
 
 
 def test_a_failed_job_is_marked_failed_with_the_reason(tmp_path):

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="validate, then train under torchrun")
     p.add_argument("recipe", metavar="RECIPE")
+    p.add_argument("--accept-changes", action="store_true",
+                   help="resume even though the recipe changed in keys that alter training (they take effect; "
+                        "MLflow continues in a new linked run)")
     _add_overrides(p)
     p.set_defaults(func=cmd_run)
 
@@ -177,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     resolved = resolve(args.recipe, args.overrides)
     from .launch import launcher
 
-    return launcher.run(resolved, args.recipe, list(args.overrides))
+    return launcher.run(resolved, args.recipe, list(args.overrides), accept_changes=args.accept_changes)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

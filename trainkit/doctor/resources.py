@@ -155,6 +155,11 @@ def _disk(resolved, quick: bool) -> Check:
             how = f"estimate {human_bytes(need)} = last checkpoint {human_bytes(previous)} x (keep + 1)"
         else:
             need, how = DISK_FLOOR, "a 1 GiB floor (`trainkit doctor RECIPE` estimates from the model)"
+            if resolved is not None:
+                try:  # the model on the meta device: milliseconds, and a real figure to refuse on
+                    need, how = checkpoint_estimate(resolved.recipe)
+                except Exception:  # a model that does not build is reported by the preflight checks
+                    pass
     else:
         try:
             need, how = checkpoint_estimate(resolved.recipe)

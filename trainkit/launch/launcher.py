@@ -34,7 +34,8 @@ from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery
-from . import failures
+from ..recipe import drift
+from . import failures, resume_check
 from .artifacts import model_artifacts
 
 # --------------------------------------------------------------------------- run directory
@@ -77,6 +78,7 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
         except FileExistsError:
             n += 1
             launch_dir = run_dir / "launches" / f"{stamp}-{n}"
+    (run_dir / worker.FATAL).unlink(missing_ok=True)  # a new launch is a deliberate retry
     ckpts = run_dir / "checkpoints"
     if recipe.trainer.resume == "never" and ckpts.is_dir() and any(ckpts.iterdir()):
         aside = run_dir / f"checkpoints.before-{launch_dir.name}"
@@ -99,7 +101,7 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
 
 
 # --------------------------------------------------------------------------- launch
-def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
+def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_changes: bool = False) -> int:
     """Validate runtime inputs, create the run directory, train. Returns the process exit code."""
     problems = preflight.check(resolved)
     errors = [p for p in problems if p.severity == "error"]
@@ -114,6 +116,9 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
               f"{recipe_path})", file=sys.stderr)
         return 2
     recipe = resolved.recipe
+    decision = resume_check.decide(resolved, run_dir_for(recipe), accept_changes)
+    if decision.exit_code is not None:
+        return decision.exit_code
     run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarts are flaky without it (pytorch#135712)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's C++ chatter is not for the console
@@ -122,6 +127,8 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
           f"{' in-process' if in_process else ''}, run dir {run_dir}", flush=True)
     environment = json.loads((launch_dir / "environment.json").read_text())
     where = tracking.open_run(resolved, run_dir, launch_dir, environment)
+    if where and decision.accepted:
+        tracking.continue_in_new_run(run_dir, decision.step, resolved.data, drift.summary(decision.accepted))
     delivery = None
     if where:
         print(f"trainkit: tracking: {where}", flush=True)
@@ -187,6 +194,10 @@ def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
         return _stopped(int(exc.sigval), run_dir)
     except KeyboardInterrupt:
         return _stopped(signal.SIGINT, run_dir)
+    except Exception as exc:  # the agent itself failed (e.g. an unreadable error file on a full disk)
+        reason = f"torchrun's agent failed: {type(exc).__name__}: {exc}"
+        print(f"trainkit: {reason} (worker logs: {run_dir / 'logs'})", file=sys.stderr)
+        return 1, reason
     return 0, ""
 
 

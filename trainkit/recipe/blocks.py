@@ -252,6 +252,10 @@ class TrainerOptions(Block):
     loss_scale: Union[Literal["dynamic"], PositiveFloat, None] = Field(
         default="dynamic", description="fp16 loss scaling: dynamic, a fixed scale, or null"
     )
+    on_nonfinite: Literal["stop", "skip_step"] = Field(
+        default="stop", description="a NaN/inf loss or gradient norm: stop (no device sync per step) or "
+                                    "skip_step (discard that optimizer step; one device sync per step)")
+    max_skipped_steps: PositiveInt = Field(default=10, description="skip_step: stop after this many skipped steps")
 
 
 class LaunchOptions(Block):

@@ -31,6 +31,13 @@ def fp16_needs_loss_scaling(r: Recipe) -> Iterator[Finding]:
 
 
 @rule
+def skip_step_needs_a_loop_owned_optimizer_step(r: Recipe) -> Iterator[Finding]:
+    if r.trainer.on_nonfinite == "skip_step" and r.strategy.name == "deepspeed":
+        yield ("trainer", "on_nonfinite"), ("skip_step discards an optimizer step before it runs, but DeepSpeed's "
+                                            "engine owns its step (and skips fp16 overflows itself); use stop")
+
+
+@rule
 def pipeline_batch_splits_into_microbatches(r: Recipe) -> Iterator[Finding]:
     s = r.strategy
     if s.name != "pipeline":

@@ -9,6 +9,7 @@ whose files do not match its hashes — is incomplete and never resumed from.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,28 @@ PREFIX = "step-"
 def recipe_hash(data: dict) -> str:
     """Hash of the resolved recipe, stored in each checkpoint to notice a changed recipe on resume."""
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+RECIPE_FILE = "recipe.json"  # the resolved recipe that trained up to this checkpoint (for drift checks)
+
+
+def write_recipe(folder: Path, data: dict) -> None:
+    with open(folder / RECIPE_FILE, "w") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def saved_recipe(folder: Path) -> Optional[dict]:
+    """The recipe a checkpoint was trained with (None for checkpoints older than this record)."""
+    try:
+        return json.loads((folder / RECIPE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def saved_step(folder: Path) -> int:
+    return int(json.loads((folder / "meta.json").read_text())["step"])
 
 
 # --------------------------------------------------------------------------- RNG
@@ -116,12 +139,38 @@ def resume_source(resume: str, ckpt_dir: Path, restart_count: int, warn: bool) -
     return path
 
 
+# --------------------------------------------------------------------------- a full disk
+class DiskFullError(OSError):
+    """A checkpoint could not be written for lack of space (a restart would fail the same way)."""
+
+
+DISK_FULL_SIGNS = ("No space left on device", "unexpected pos", "file write failed")  # torch's writer wraps ENOSPC
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if isinstance(exc, (OSError, RuntimeError)) and any(sign in str(exc) for sign in DISK_FULL_SIGNS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _folder_bytes(folder: Optional[Path]) -> int:
+    try:
+        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder else 0
+    except OSError:
+        return 0
+
+
 # --------------------------------------------------------------------------- save / load
 class Checkpointer:
     """Saves and restores full training state through a Strategy (which owns model/optimizer files)."""
 
-    def __init__(self, ckpt_dir: Path, strategy, keep: int, recipe_sha256: str):
-        self.dir, self.strategy, self.keep, self.recipe_sha256 = ckpt_dir, strategy, keep, recipe_sha256
+    def __init__(self, ckpt_dir: Path, strategy, keep: int, recipe_data: dict):
+        self.dir, self.strategy, self.keep = ckpt_dir, strategy, keep
+        self.recipe_data, self.recipe_sha256 = recipe_data, recipe_hash(recipe_data)
 
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
         s = self.strategy
@@ -137,15 +186,31 @@ class Checkpointer:
             if s.rank == 0:
                 fsync_save(dict(trainer_state, recipe_sha256=self.recipe_sha256, world_size=s.world_size),
                            tmp / "trainer.pt")
+                write_recipe(tmp, self.recipe_data)
             s.barrier()
             if s.rank == 0:
                 self._seal(tmp, final, step)
             s.barrier()
-        except BaseException:
-            if s.rank == 0:  # interrupted or failed: never leave a half-written checkpoint behind
+        except BaseException as exc:
+            written, full = _folder_bytes(tmp), _is_disk_full(exc)
+            # interrupted or failed: never leave a half-written checkpoint behind; on a full disk every
+            # rank frees it at once, so the error reports (torchelastic's error.json) can still be written
+            if s.rank == 0 or full:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise self._disk_full(final, written) from exc
             raise
         return final
+
+    def _disk_full(self, final: Path, written: int) -> "DiskFullError":
+        previous = next((f for f in step_folders(self.dir) if f != final), None)
+        need = _folder_bytes(previous) if previous is not None else written
+        free = shutil.disk_usage(self.dir).free
+        kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+        return DiskFullError(f"no space left on the disk holding {self.dir} while writing {final.name}: a checkpoint "
+                             f"needs about {need:,} bytes{' (the size of the previous one)' if previous else ''}, "
+                             f"{free:,} bytes are free; {kept}. Free space there, lower trainer.checkpoint.keep, or "
+                             f"set launch.run_dir to a bigger disk")
 
     def _seal(self, tmp: Path, final: Path, step: int) -> None:
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..recipe.schema import Recipe
+from .nonfinite import NonFiniteError, NonFiniteGuard
 from .protocols import Checkpointer, MetricSink, MonitorHooks, NoMonitors, Precision, Progress, Strategy, Task
 from .stats import RunStats
 from .timing import Clock, ForwardMarks, StepTimes
@@ -31,6 +32,7 @@ class TrainState:
     batches_in_epoch: int = 0  # micro-batches of this rank already consumed in `epoch`
     samples: int = 0  # global samples trained on
     skipped_images: int = 0  # unreadable images replaced (this rank)
+    skipped_steps: int = 0  # optimizer steps discarded for a non-finite value (trainer.on_nonfinite: skip_step)
 
 
 def global_batch(recipe: Recipe, data_parallel_size: int) -> int:
@@ -66,6 +68,10 @@ class Loop:
     forward_marks: Optional[ForwardMarks] = None  # set when a monitor times the forward separately
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)
+    last_checkpoint: Optional[Path] = None  # the newest checkpoint known good (the resume source at start)
+
+    def __post_init__(self):
+        self.guard = NonFiniteGuard(self.device)
 
     # ------------------------------------------------------------------ data
     def batches(self) -> Iterator:
@@ -113,9 +119,16 @@ class Loop:
                 forward += clock.seconds(c0, marks.marks[0])
                 marks.clear()
         o0 = clock.mark()
-        grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
-                                                 self.recipe.trainer.grad_clip)
-        self.scheduler.step()
+        self.skipped = False
+        if self.recipe.trainer.on_nonfinite == "skip_step" and not self.guard.step_is_finite(
+                self.strategy, total, self.model.parameters(), device=self.device,
+                check_grads=getattr(self.precision, "scaler", None) is None):  # a loss scaler skips inf grads itself
+            self.optimizer.zero_grad(set_to_none=True)  # discard the step: no update
+            grad_norm, self.skipped = None, True
+        else:
+            grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
+                                                     self.recipe.trainer.grad_clip)
+        self.scheduler.step()  # the schedule follows the step count, skipped steps included
         optimizer = clock.seconds(o0, clock.mark())
         timer = self.strategy.comm_timer
         comm = timer.take()[0] if timer is not None else None
@@ -139,6 +152,35 @@ class Loop:
             sums += self.task.eval_sums(out, y)
         self.model.train()
         return self.task.eval_metrics(self.strategy.all_reduce_sum(sums))
+
+    # ------------------------------------------------------------------ non-finite values
+    def _count_skip(self, step: int) -> None:
+        self.state.skipped_steps += 1
+        limit = self.recipe.trainer.max_skipped_steps
+        if self.strategy.rank == 0:
+            print(f"trainkit: warning: step {step}: non-finite loss or gradient; optimizer step skipped "
+                  f"({self.state.skipped_steps} of at most {limit})", flush=True)
+        if self.state.skipped_steps > limit:
+            raise NonFiniteError(f"{self.state.skipped_steps} optimizer steps skipped for non-finite values, more "
+                                 f"than trainer.max_skipped_steps {limit} (last at step {step}); "
+                                 f"{self._last_good()}. Lower optimizer.lr or set trainer.grad_clip")
+
+    def _last_good(self) -> str:
+        return (f"last good checkpoint: {self.last_checkpoint} (resume: auto continues from it)"
+                if self.last_checkpoint else "no checkpoint was written")
+
+    def _stop_if_nonfinite(self, step: int, *, weights: bool) -> None:
+        """trainer.on_nonfinite: stop — end the run (FAILED) at the first log step or checkpoint after
+        a NaN/inf, without writing a checkpoint. One small collective, no per-step sync."""
+        bad = self.guard.first_bad(self.strategy)
+        what = f"non-finite {bad[1]} at step {bad[0]}" if bad else None
+        if what is None and weights and not self.guard.weights_finite(
+                self.strategy, self.strategy.local_tensors(self.model), self.device):
+            what = f"non-finite weights at step {step} (an inf/NaN gradient reached the optimizer)"
+        if what:
+            raise NonFiniteError(f"{what}; stopped at step {step} without writing a checkpoint; "
+                                 f"{self._last_good()}. Lower optimizer.lr, set trainer.grad_clip, or "
+                                 f"trainer.on_nonfinite: skip_step to discard such steps")
 
     # ------------------------------------------------------------------ the loop
     def trainer_state(self) -> dict:
@@ -165,6 +207,10 @@ class Loop:
             self.monitors.call("on_step_end", self.state.step, times)
             self.state.samples += global_batch
             step = self.state.step
+            if self.skipped:
+                self._count_skip(step)
+            else:
+                self.guard.observe(step, loss, grad_norm)
             if self.progress and self.progress.due(step):  # .item() syncs the device: a live bar, rate-limited
                 self.progress.update(step, loss.item())
             last = step == t.max_steps
@@ -179,11 +225,16 @@ class Loop:
                     evaluated = self.evaluate()
                     self.monitors.call("on_eval", step, evaluated)
                     metrics.update(evaluated)
+                if t.on_nonfinite == "skip_step":
+                    metrics["skipped_steps"] = self.state.skipped_steps
                 metrics.update(self.monitors.log_step(step))
                 for sink in self.sinks:
                     sink.log(metrics, step)
+                self._stop_if_nonfinite(step, weights=False)
             if (t.checkpoint.every and step % t.checkpoint.every == 0) or last:
+                self._stop_if_nonfinite(step, weights=True)  # a NaN never reaches a checkpoint
                 last_ckpt = self.checkpointer.save(step, self.model, self.optimizer, self.trainer_state())
+                self.last_checkpoint = last_ckpt
                 self.monitors.call("on_checkpoint", step, last_ckpt)
             for hook in self.step_hooks:
                 hook(step)

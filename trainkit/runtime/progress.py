@@ -58,6 +58,9 @@ class Progress:
                         if k.startswith("eval_") and isinstance(v, float))
         print(f"trainkit: {self._text(step, metrics.get('loss', float('nan')))}{extra}", file=self.stream, flush=True)
 
+    def rewind(self, step: int) -> None:
+        """Nothing to undo: the bar only shows the present."""
+
     def close(self) -> None:
         if self.tty:
             self.stream.write("\n")

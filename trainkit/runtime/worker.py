@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
@@ -27,14 +28,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .. import registry
 from ..monitors.base import build_monitors, context
 from ..monitors.bottleneck import diagnose
-from ..recipe import resolve
+from ..recipe import drift, resolve
 from ..recipe.schema import Recipe
 from ..tracking.run import MlflowSink
-from .checkpoint import Checkpointer, recipe_hash, resume_source
+from .checkpoint import Checkpointer, DiskFullError, resume_source, saved_recipe
 from .data import build_datasets, make_loader
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
 from .model import build_model
+from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
 from .precision import Precision
 from .progress import Progress
@@ -81,6 +83,27 @@ def _test_hooks(model: torch.nn.Module, rank: int) -> list:
     return list(importlib.import_module(name).install(model=model, rank=rank))
 
 
+FATAL = "fatal.json"  # a failure a restart cannot fix (non-finite values, a full disk); cleared by each launch
+
+
+def record_fatal(run_dir: Path, exc: Exception) -> None:
+    try:  # small; on a full disk it may not fit either, and then the restart redoes the failure
+        (run_dir / FATAL).write_text(json.dumps({"error": type(exc).__name__, "message": str(exc)}) + "\n")
+    except OSError:
+        pass
+
+
+def raise_if_fatal(run_dir: Path) -> None:
+    path = run_dir / FATAL
+    if path.is_file():
+        fatal = json.loads(path.read_text())
+        raise NonRetryableError(f"not restarting: {fatal['message']}")
+
+
+class NonRetryableError(RuntimeError):
+    """The previous attempt of this launch failed in a way a restart repeats (see FATAL)."""
+
+
 def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
     """reports/breakdown.json (the evidence) and reports/bottleneck.md; returns the console lines."""
     reports = run_dir / "reports"
@@ -93,6 +116,28 @@ def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
     (reports / "bottleneck.md").write_text(diagnosis.markdown(recipe.name) + "".join("\n" + s for s in sections))
     summary["bottleneck"] = diagnosis.kind
     return diagnosis.console()
+
+
+def apply_accepted_changes(saved: Optional[dict], now: dict, recipe: Recipe, optimizer, scheduler, step: int):
+    """The launcher let a changed optimizer/scheduler/max_steps through (`--accept-changes`): make it
+    real. The checkpoint's optimizer and scheduler state carry the old hyperparameters and would win;
+    set the new ones on every param group and rebuild the schedule at the resumed step."""
+    if saved is None or not any(c.key.startswith(("optimizer.", "scheduler.")) or c.key == "trainer.max_steps"
+                                for c in drift.changes(saved, now)):
+        return scheduler
+    defaults = build_optimizer(recipe.optimizer, [torch.nn.Parameter(torch.zeros(1))]).defaults
+    for group in optimizer.param_groups:
+        group.update({k: v for k, v in defaults.items() if k in group})
+        group["initial_lr"] = defaults["lr"]
+    fresh = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": a replay, on purpose
+        for _ in range(step):
+            fresh.step()
+    if dist.get_rank() == 0:
+        print(f"trainkit: accepted recipe changes take effect at step {step}: lr {optimizer.param_groups[0]['lr']:.6g}",
+              flush=True)
+    return fresh
 
 
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
@@ -121,32 +166,42 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                                   pin_memory=pin)
 
     ckpt_dir = run_dir / "checkpoints"
-    checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_hash(recipe_data))
+    checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_data)
     monitors = build_monitors(recipe, context(recipe, strategy, model, device, run_dir))
     clock = Clock(device, precise=any(type(m).precise_timing for m in recipe.monitors))
     forward_marks = ForwardMarks(model, clock) if any(type(m).needs_forward_time for m in recipe.monitors) else None
     step_hooks = _test_hooks(model, rank)
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        raise_if_fatal(run_dir)  # a restart would only redo a failure that restarting cannot fix
     source = resume_source(recipe.trainer.resume, ckpt_dir, restart, warn=rank == 0)
     state = TrainState()
     if source is not None:
         state = restore_trainer_state(checkpointer.load(source, model, optimizer), scheduler, precision)
         if rank == 0:
             print(f"trainkit: resumed from {source} (step {state.step}, epoch {state.epoch})", flush=True)
+        scheduler = apply_accepted_changes(saved_recipe(source), recipe_data, recipe, optimizer, scheduler, state.step)
     progress, sinks = None, []
     if rank == 0:
         progress = Progress(recipe.trainer.max_steps, state.step, global_batch(recipe, dp_size), enabled=True)
-        sinks = [JsonlSink(run_dir / "metrics.jsonl"), progress]
+        sinks = [JsonlSink(run_dir / "metrics.jsonl")]
         if recipe.tracking.enabled:
             sinks.append(MlflowSink(run_dir))
+        for sink in sinks:
+            sink.rewind(state.step)  # one value per step: a restart's redone steps replace the dead attempt's
+        sinks.append(progress)
     loop = Loop(recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler, strategy=strategy,
                 precision=precision, task=ClassificationTask(device), train_loader=train_loader,
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
                 sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
-                step_hooks=step_hooks)
+                step_hooks=step_hooks, last_checkpoint=source)
     try:
         summary = loop.run()
+    except (NonFiniteError, DiskFullError) as exc:
+        record_fatal(run_dir, exc)
+        monitors.call("on_exception", exc)
+        raise
     except BaseException as exc:
         monitors.call("on_exception", exc)
         raise

@@ -106,6 +106,12 @@ class Strategy:
             out /= self.world_size
         return out
 
+    def all_reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        out = value.detach().clone()
+        if self.world_size > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         out = value.detach().clone()
         if self.world_size > 1:

@@ -132,6 +132,9 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             state.update(run_id=run.info.run_id, experiment_id=exp_id, uri=uri)
         return
     run_id = state["run_id"]
+    if op == "rewind":
+        state["run_id"] = _supersede(client, run_id, chunk[0], uncertain=bool(state.get("uncertain")))
+        return
     if op == "metric":
         points = [Metric(r["key"], float(r["value"]), int(r["ts"]), int(r["step"])) for r in chunk]
         if state.get("uncertain"):
@@ -153,6 +156,48 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             client.update_run(run_id, status="RUNNING")
         else:
             client.set_terminated(run_id, chunk[0]["status"], end_time=chunk[0].get("ts"))
+
+
+NOT_COPIED_TAGS = ("mlflow.runName", "trainkit.run_key", "trainkit.superseded_by", "trainkit.status_reason",
+                   "trainkit.previous_run")
+
+
+def _supersede(client, old_id: str, record: dict, uncertain: bool) -> str:
+    """A rewind: open the run that continues the job, holding the old run's params, tags and one
+    value per (key, step) up to the resumed step; end the old run KILLED, linked both ways. Every
+    part is idempotent (found by its key, points filtered), so a retry after a failure is safe."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    step, key = int(record["step"]), record["key"]
+    old = client.get_run(old_id)
+    found = []
+    if uncertain:
+        found = client.search_runs([old.info.experiment_id], filter_string=f"tags.`trainkit.run_key` = '{key}'")
+    tags = {k: v for k, v in old.data.tags.items() if k not in NOT_COPIED_TAGS}
+    tags.update({"trainkit.run_key": key, "trainkit.previous_run": old_id, "trainkit.resumed_at_step": str(step)})
+    new = found[0] if found else client.create_run(old.info.experiment_id, run_name=old.info.run_name, tags=tags,
+                                                   start_time=record.get("ts"))
+    new_id = new.info.run_id
+    params = [Param(k, v) for k, v in (record.get("params") or old.data.params).items()]
+    for i in range(0, len(params), MAX_PARAMS_TAGS):
+        client.log_batch(new_id, params=params[i:i + MAX_PARAMS_TAGS], synchronous=True)
+    points = []
+    for name in old.data.metrics:
+        last: dict[int, Any] = {}
+        for m in client.get_metric_history(old_id, name):
+            if m.step <= step:
+                last[m.step] = m  # the history is in logging order: the newest value of a step wins
+        points += [Metric(name, m.value, m.timestamp, m.step) for _, m in sorted(last.items())]
+    if found:
+        points = _not_yet_logged(client, new_id, points)
+    for i in range(0, len(points), MAX_METRICS):
+        client.log_batch(new_id, metrics=points[i:i + MAX_METRICS], synchronous=True)
+    why = record.get("reason") or f"training resumed from step {step}, before points this run already holds"
+    client.log_batch(old_id, tags=[RunTag("trainkit.superseded_by", new_id),
+                                   RunTag("trainkit.status_reason", f"superseded by run {new_id}: {why}"[:5000])],
+                     synchronous=True)
+    client.set_terminated(old_id, "KILLED", end_time=record.get("ts"))
+    return new_id
 
 
 def _not_yet_logged(client, run_id: str, points: list) -> list:

@@ -3,7 +3,10 @@
 The launcher spools the run's creation, params and tags and delivers them before any worker starts
 (which also creates a fresh SQLite store once, before several processes could race on it). Rank 0
 spools metric points (`MlflowSink`); the launcher alone sets the final status. After an elastic
-restart or a `resume: auto` launch, the same run continues: its id lives in RUN_DIR/tracking.
+restart or a `resume: auto` launch, the same run continues (its id lives in RUN_DIR/tracking) —
+unless training rewinds past points the run already holds: then a new run takes over the job, with
+the history up to the resumed step copied in and `trainkit.previous_run` / `trainkit.superseded_by`
+tags linking the two (see `MlflowSink.rewind` and delivery's `rewind`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import platform
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -84,8 +88,6 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
         return None
     spool = Spool(run_dir)
     uri = recipe.tracking.uri or default_uri()
-    import uuid
-
     create = [{"op": "create", "uri": uri, "experiment": recipe.tracking.experiment, "key": uuid.uuid4().hex,
                "run_name": recipe.tracking.run_name or recipe.name, "ts": _now_ms(),
                "tags": run_tags(recipe, environment)},
@@ -102,6 +104,13 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
     if error:
         where += f" (unreachable now: {error}; {pending} record(s) kept in {spool.path}, delivered later)"
     return where
+
+
+def continue_in_new_run(run_dir: Path, step: int, recipe_data: dict, reason: Optional[str]) -> None:
+    """Accepted recipe changes: params are immutable in MLflow, so the job continues in a new run with
+    the new params and this run's history up to `step` (a rewind that always happens)."""
+    Spool(run_dir).append([{"op": "rewind", "step": int(step), "key": uuid.uuid4().hex, "ts": _now_ms(),
+                            "params": flatten(recipe_data), "reason": f"recipe changed: {reason}"}])
 
 
 def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
@@ -152,6 +161,12 @@ class MlflowSink:
         self.spool.append([{"op": "metric", "key": k, "value": float(v), "ts": ts, "step": int(step)}
                            for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)],
                           durable=False)
+
+    def rewind(self, step: int) -> None:
+        """Training continues from `step`: if the run already holds points after it (a restart or a
+        resume from an older checkpoint), spool a rewind, which delivery turns into a new MLflow run
+        holding this run's history up to `step` (MLflow cannot delete points; one value per step)."""
+        self.spool.append_rewind(step, {"op": "rewind", "step": int(step), "key": uuid.uuid4().hex, "ts": _now_ms()})
 
     def close(self) -> None:
         pass

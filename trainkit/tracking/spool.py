@@ -38,6 +38,21 @@ class Spool:
             self._write(records)
             return True
 
+    def append_rewind(self, step: int, record: dict[str, Any]) -> bool:
+        """Append a `rewind` record if the current MLflow run already holds (or will receive) a
+        metric point after `step`; True if it did. The scan and the append happen under the append
+        lock, so no metric can slip in between."""
+        with self._locked("append"):
+            later = False
+            for r in self.records():
+                if r["op"] in ("create", "rewind"):
+                    later = False  # a new run starts here: only its own points count
+                elif r["op"] == "metric" and r["step"] > step:
+                    later = True
+            if later:
+                self._write([record])
+            return later
+
     def _write(self, records: list[dict[str, Any]], durable: bool = True) -> None:
         data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)

@@ -1,0 +1,77 @@
+"""A full disk is a message, not a torch assertion (issue 10, finding 6): the run dir on a small tmpfs.
+
+Mounting a tmpfs needs root, which the test machines and CI have (`.ci/run` runs as root)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from run_helpers import env_for, mlp_recipe, trainkit
+
+from trainkit.runtime.checkpoint import newest_valid, problem_with
+
+
+@contextmanager
+def tmpfs(path, size: str):
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_too_small_a_disk_is_refused_before_start(tmp_path):
+    """Guards the preflight refusal: 1 MiB cannot hold (keep + 1) checkpoints of this model (estimated on
+    the meta device), so `trainkit run` exits 2 before any worker starts, naming free space and need."""
+    with tmpfs(tmp_path / "small", "1m") as small:
+        recipe = mlp_recipe(tmp_path, "big", model={"name": "mlp", "args": {"in_features": 48, "hidden": 1024,
+                                                                            "num_classes": 4}},
+                            launch={"nproc_per_node": 2, "run_dir": str(small), "timeout_s": 60})
+        result = trainkit(tmp_path, "run", str(recipe))
+        assert result.returncode == 2, result.output
+        assert "disk" in result.output and "checkpoints (keep 3 + 1 being written)" in result.output, result.output
+        assert "not started" in result.output
+        assert not (small / "big" / "checkpoints").exists()
+
+
+def test_enospc_during_a_save_names_the_folder_keeps_the_previous_checkpoint_and_spends_no_restart(tmp_path):
+    """Guards the mid-run message: the disk fills after the step-4 checkpoint; the step-8 save fails with
+    a message naming the folder, the bytes needed and free; step 4 stays complete; the allowed restart
+    does not redo the training ("not restarting")."""
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        recipe = mlp_recipe(tmp_path, "filling", data={"name": "synthetic", "batch_size": 8, "num_samples": 256,
+                                                       "shape": [3, 4, 4], "num_classes": 4, "sleep_ms": 15.0},
+                            trainer={"max_steps": 12, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
+                            launch={"nproc_per_node": 2, "run_dir": str(disk), "timeout_s": 60, "max_restarts": 1})
+        proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
+                                env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            first = disk / "filling" / "checkpoints" / "step-00000004"
+            deadline = time.monotonic() + 120
+            while not (first / "meta.json").exists():
+                assert time.monotonic() < deadline and proc.poll() is None, "no first checkpoint"
+                time.sleep(0.02)
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            with open(disk / "filler", "wb") as fh:  # leave 12 KiB: metric lines fit, a checkpoint does not
+                fh.write(b"\0" * max(0, free - 12 * 1024))
+            out, _ = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        assert proc.returncode != 0, out
+        assert "no space left on the disk holding" in out and "step-00000008" in out, out
+        assert "bytes are free" in out and "the previous checkpoint" in out
+        assert "not restarting" in out, out
+        assert newest_valid(disk / "filling" / "checkpoints", warn=False) == first
+        assert problem_with(first) is None
+        assert "unexpected pos" not in out.split("trainkit: training failed")[-1].split("also failed")[0]
