@@ -105,7 +105,8 @@ class RestartAnnouncer(logging.Handler):
         super().__init__(logging.INFO)
         self.log_dir, self.resume_point = log_dir, resume_point  # resume_point(): newest complete checkpoint
         self.workers: dict[int, dict] = {}  # pid -> START event metadata of the current attempt
-        self.failed: Optional[tuple[int, int, int]] = None  # (exitcode, local rank, pid)
+        self.failed: Optional[tuple[int, int, int]] = None  # torch's first failure: (exitcode, local rank, pid)
+        self.terminated: set[int] = set()  # pids the agent stopped (collateral, not culprits)
         self.announced: set[int] = set()
 
     def __enter__(self) -> "RestartAnnouncer":
@@ -123,6 +124,8 @@ class RestartAnnouncer(logging.Handler):
             if record.name == self.PROCESSES and str(record.msg).startswith("failed (exitcode"):
                 exitcode, local_rank, pid = record.args[:3]
                 self.failed = (int(exitcode), int(local_rank), int(pid))
+            elif record.name == self.PROCESSES and str(record.msg).startswith("Sending process"):
+                self.terminated.add(int(record.args[0]))
             elif record.name == self.EVENTS:
                 self._event(json.loads(record.getMessage()))
         except Exception:  # never let a report take the launcher down
@@ -134,28 +137,43 @@ class RestartAnnouncer(logging.Handler):
             return
         attempt = int(meta.get("agent_restarts") or 0)
         pid = int(meta.get("worker_id") or 0)
-        if attempt == 0 or attempt in self.announced:
-            self.workers[pid] = meta
-            return
-        self.announced.add(attempt)
-        print(self.announcement(attempt, meta), file=sys.stderr, flush=True)
-        self.workers = {pid: meta}
+        if attempt not in self.announced:
+            if attempt > 0:
+                print(self.announcement(attempt), file=sys.stderr, flush=True)
+            self.announced.add(attempt)
+            self.workers, self.failed, self.terminated = {}, None, set()
+        self.workers[pid] = meta
 
-    def announcement(self, attempt: int, now: dict) -> str:
-        host = now.get("hostname") or "this host"
-        what = "a worker failed"
-        if self.failed is not None:
-            exitcode, local_rank, pid = self.failed
-            before = self.workers.get(pid, {})
-            rank = before.get("global_rank", local_rank)
-            host = before.get("hostname") or host
-            folder = _attempt_folder(self.log_dir, attempt - 1)
-            error_file = str(folder / str(local_rank) / "error.json") if folder else ""
-            cause, _ = _exception(_Failure(exitcode, error_file))
-            what = f"rank {rank} (local rank {local_rank}, pid {pid}) on {host} failed: {cause}"
+    def _culprit(self, attempt: int) -> Optional[str]:
+        """The rank that failed first, as `summarize` judges it: a rank whose error is only a peer's
+        death ("Connection reset by peer") is not blamed while another failed on its own."""
+        folder = _attempt_folder(self.log_dir, attempt - 1)
+        found = []
+        for pid, meta in self.workers.items():
+            if pid in self.terminated:
+                continue
+            local_rank = json.loads(meta.get("metadata") or "{}").get("local_rank", [None])[0]
+            rank_dir = folder / str(local_rank) if folder is not None and local_rank is not None else None
+            error_file = rank_dir / "error.json" if rank_dir is not None else None
+            exitcode = self.failed[0] if self.failed and self.failed[2] == pid else None
+            if error_file is not None and error_file.is_file():
+                cause, _ = _exception(_Failure(exitcode or 1, str(error_file)))
+            else:
+                cause = _exception(_Failure(exitcode, ""))[0] if exitcode is not None else \
+                    "exited without a Python exception (no error.json: os._exit, a crash or a signal)"
+                tail = _tail(rank_dir / "stderr.log", 1) if rank_dir is not None else []
+                cause += f"; last line of its log: {tail[0].strip()}" if tail else ""
+            collateral = any(c in cause for c in COLLATERAL)
+            first = self.failed is not None and self.failed[2] == pid
+            found.append(((collateral, not first, local_rank if local_rank is not None else 0),
+                          f"rank {meta.get('global_rank', local_rank)} (local rank {local_rank}, pid {pid}) on "
+                          f"{meta.get('hostname') or 'this host'} failed: {cause}"))
+        return min(found)[1] if found else None
+
+    def announcement(self, attempt: int) -> str:
+        what = self._culprit(attempt) or "a worker failed"
         checkpoint = self.resume_point()
         where = f"resumes from {checkpoint}" if checkpoint else "starts from scratch (no complete checkpoint yet)"
-        self.failed = None
         return f"trainkit: restart {attempt}: {what}; the worker group restarts and {where}"
 
 
