@@ -226,9 +226,11 @@ def completed(run_dir: Path, launch_dir: Optional[Path]) -> bool:
             return False  # an earlier launch's summary
     except (OSError, ValueError):
         return False
-    checkpoint = summary.get("checkpoint")
-    return bool(checkpoint) and (Path(checkpoint) / "meta.json").is_file() and \
-        Path(checkpoint).name == f"step-{int(summary.get('steps', -1)):08d}"
+    if not summary.get("checkpoint"):
+        return False
+    name = Path(summary["checkpoint"]).name  # the path may be relative to the launch's folder: look here
+    return name == f"step-{int(summary.get('steps', -1)):08d}" and \
+        (run_dir / "checkpoints" / name / "meta.json").is_file()
 
 
 def latest_launch(run_dir: Path) -> Optional[Path]:
