@@ -110,7 +110,7 @@ def test_a_sigkilled_launcher_takes_its_workers_along_and_its_run_is_not_left_ru
     assert len(workers) >= 4, [w.cmdline() for w in workers]  # 2 ranks + a DataLoader worker each
     os.kill(launcher.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    launcher.communicate()
+    launcher.wait()  # not communicate(): orphaned workers would hold its pipes open
     wait_for(lambda: not workers_of(run_dir), 10, "every worker to exit after the launcher was SIGKILLed")
     assert time.monotonic() - killed_at <= 10
 
@@ -157,7 +157,8 @@ def test_a_rerun_closes_the_run_a_dead_launch_left_running(tmp_path):
 def test_a_second_launch_of_the_same_run_dir_exits_2_at_once_naming_the_holder(tmp_path, launches):
     """Guards issue 10's double launch (two worker groups in one folder, one crashing in the other's
     checkpoint temp folder): the second `trainkit run` exits 2 within 5 s and names the holder's
-    host, pid and start, and how to proceed; the first one is undisturbed."""
+    host, pid and start, and how to proceed; the first one is undisturbed and keeps its lock's
+    heartbeat fresh."""
     recipe = mlp_recipe(tmp_path, "twice", trainer={"max_steps": 400})
     first = launches(tmp_path, recipe, TRAINKIT_FAULT_DELAY="rank=0,ms=150")
     run_dir = tmp_path / "runs" / "twice"
@@ -170,6 +171,10 @@ def test_a_second_launch_of_the_same_run_dir_exits_2_at_once_naming_the_holder(t
     assert f"pid {first.pid}" in second.stderr and f"host {socket.gethostname()}" in second.stderr
     assert "since" in second.stderr and "launch.run_dir=" in second.stderr and "name=" in second.stderr
     assert first.poll() is None and workers_of(run_dir)  # still training
+    # the holder keeps its lock fresh (every 10 s), or a long run would look stale after 60 s
+    lock = json.loads((run_dir / "launch.lock").read_text())
+    wait_for(lambda: json.loads((run_dir / "launch.lock").read_text())["heartbeat"] > lock["heartbeat"], 25,
+             "a heartbeat")
 
 
 @pytest.mark.parametrize("stale", ["dead pid", "reused pid", "old heartbeat"])
