@@ -248,20 +248,36 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    """Deliver what the spool holds; a run whose launch died without closing it (no live holder of
+    RUN_DIR/launch.lock) is closed too: FINISHED if summary.json proves it completed, else KILLED."""
     from pathlib import Path
 
+    from .launch.lock import describe, holder_alive
     from .tracking.delivery import deliver
+    from .tracking.run import open_status
     from .tracking.spool import Spool
 
-    spool = Spool(Path(args.run_dir))
-    if not Path(args.run_dir).is_dir() or not spool.path.is_file():
+    run_dir = Path(args.run_dir)
+    spool = Spool(run_dir)
+    if not run_dir.is_dir() or not spool.path.is_file():
         print(f"trainkit: {args.run_dir} has no tracking spool (tracking/spool.jsonl)", file=sys.stderr)
         return EXIT_INVALID
-    pending, error = deliver(Path(args.run_dir))
+    closed = None
+    if open_status(run_dir) == "RUNNING":
+        holder = holder_alive(run_dir)
+        if holder:
+            print(f"trainkit: the run is still open: a launch is running ({describe(holder)})")
+        else:
+            from .launch.launcher import finalize_dead_launch
+
+            closed = finalize_dead_launch(run_dir, announce=False)
+    pending, error = deliver(run_dir)
     state = spool.state()
     if pending:
         print(f"trainkit: {pending} record(s) still pending: {error}", file=sys.stderr)
         return EXIT_FAILED
+    if closed:
+        print(f"trainkit: the launch that wrote {run_dir} died without closing its run: marked {closed}")
     print(f"trainkit: all tracking records delivered to run {state.get('run_id')} in {state.get('uri')}")
     return EXIT_OK
 

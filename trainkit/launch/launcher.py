@@ -9,8 +9,12 @@ Run directory (stable per recipe name, so `resume: auto` finds the previous laun
       summary.json             written by rank 0 at the end
       logs/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, error.json   (torchelastic)
       launches/<timestamp>/    recipe.yaml, command.txt, environment.json of each launch
+      launch.lock              the live launch (see lock.py): one launch per run directory
 
 World size 1 runs the same worker code in this process (no torchrun, no restarts).
+
+Workers never outlive this process: it exports TRAINKIT_LAUNCHER_PID and each worker asks the
+kernel for SIGKILL when its parent dies (see `trainkit.runtime.worker._die_with_launcher`).
 """
 
 from __future__ import annotations
@@ -23,20 +27,28 @@ import signal
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import doctor
-from ..runtime import preflight, worker
-from ..runtime.checkpoint import newest_valid
-from ..recipe.launch_plan import run_dir_for, torchrun_command
+from ..recipe import drift
+from ..recipe.launch_plan import FATAL_FILE, run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
+from ..runtime import preflight
 from ..tracking import run as tracking
-from ..tracking.delivery import BackgroundDelivery
-from ..recipe import drift
-from . import failures, resume_check
-from .artifacts import model_artifacts
+from ..tracking.delivery import BackgroundDelivery, deliver
+from . import failures
+from .lock import LaunchLock, LockHeld, describe, job_identity
+
+COMPLETED = "interrupted after training completed; final checkpoint and summary are complete"
+
+
+def newest_valid(ckpt_dir: Path, warn: bool = True) -> Optional[Path]:
+    from ..runtime.checkpoint import newest_valid as newest  # torch: imported where the work is
+
+    return newest(ckpt_dir, warn=warn)
 
 # --------------------------------------------------------------------------- run directory
 def _environment() -> dict:
@@ -78,7 +90,7 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
         except FileExistsError:
             n += 1
             launch_dir = run_dir / "launches" / f"{stamp}-{n}"
-    (run_dir / worker.FATAL).unlink(missing_ok=True)  # a new launch is a deliberate retry
+    (run_dir / FATAL_FILE).unlink(missing_ok=True)  # a new launch is a deliberate retry
     ckpts = run_dir / "checkpoints"
     if recipe.trainer.resume == "never" and ckpts.is_dir() and any(ckpts.iterdir()):
         aside = run_dir / f"checkpoints.before-{launch_dir.name}"
@@ -102,7 +114,32 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
 
 # --------------------------------------------------------------------------- launch
 def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_changes: bool = False) -> int:
-    """Validate runtime inputs, create the run directory, train. Returns the process exit code."""
+    """Take the run directory, validate runtime inputs, create this launch's record, train.
+    Returns the process exit code."""
+    recipe = resolved.recipe
+    la = recipe.launch
+    lock = LaunchLock(run_dir_for(recipe), job_identity(la.nnodes, la.rdzv_id or recipe.name, la.rdzv_endpoint),
+                      single_node=str(la.nnodes) in ("1", "1:1"))
+    try:
+        got = lock.acquire()  # before anything is written into the run directory
+    except LockHeld as held:
+        print(f"trainkit: not started: {lock.folder} is in use by another launch: {describe(held.holder)} "
+              f"(lock: {held.path}).\n  Wait for it to finish, stop it (kill {held.holder.get('pid')} on "
+              f"{held.holder.get('host')}), or run this one elsewhere with name=OTHER or launch.run_dir=OTHER.",
+              file=sys.stderr, flush=True)
+        return 2
+    try:
+        if got.how == "took over":
+            print(f"trainkit: warning: took over the lock of a previous launch ({describe(got.previous or {})}): "
+                  f"{got.reason}", file=sys.stderr, flush=True)
+        if got.how != "joined":  # we are the only launch here: a run left open by a dead one is closed now
+            finalize_dead_launch(lock.folder, announce=True)
+        return _launch(resolved, recipe_path, overrides, accept_changes)
+    finally:
+        lock.release()
+
+
+def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes: bool) -> int:
     problems = preflight.check(resolved)
     errors = [p for p in problems if p.severity == "error"]
     if problems:
@@ -116,12 +153,15 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
               f"{recipe_path})", file=sys.stderr)
         return 2
     recipe = resolved.recipe
+    from . import resume_check  # torch (checkpoint files): imported where the work is
+
     decision = resume_check.decide(resolved, run_dir_for(recipe), accept_changes)
     if decision.exit_code is not None:
         return decision.exit_code
     run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarts are flaky without it (pytorch#135712)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's C++ chatter is not for the console
+    os.environ["TRAINKIT_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
     in_process = recipe.world_size == 1
     print(f"trainkit: run {recipe.name}: {recipe.world_size or recipe.launch.nnodes} process(es)"
           f"{' in-process' if in_process else ''}, run dir {run_dir}", flush=True)
@@ -134,18 +174,91 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
         print(f"trainkit: tracking: {where}", flush=True)
         delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
-        code, reason = _run_in_process(run_dir) if in_process else _run_torchrun(recipe, run_dir)
-    finally:
+        code, reason = _run_in_process(run_dir, launch_dir) if in_process else \
+            _run_torchrun(recipe, run_dir, launch_dir)
+    except BaseException:
         if delivery is not None:
             delivery.close(timeout=5.0)
+        raise
+    with _closing_first():
+        if delivery is not None:
+            delivery.close(timeout=5.0)
+        return _close(recipe, run_dir, launch_dir, where, code, reason)
+
+
+def _close(recipe: Recipe, run_dir: Path, launch_dir: Path, where: Optional[str], code: int, reason: str) -> int:
     if code != 0:
         (launch_dir / "failure.txt").write_text(reason + "\n")
     if where:
+        from .artifacts import model_artifacts  # torch: imported where the work is
+
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
         artifacts, tags = model_artifacts(recipe, run_dir, status)
         closed = tracking.close_run(run_dir, launch_dir, status, reason or "completed", artifacts, tags)
         print(f"trainkit: {closed}", flush=True)
     return code
+
+
+@contextmanager
+def _closing_first():
+    """Training is over: a first Ctrl-C/SIGTERM now lets the run record close (bounded by the
+    delivery timeouts) instead of leaving it RUNNING; a second one stops at once."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen = []
+
+    def later(signum, frame):
+        if seen:
+            raise KeyboardInterrupt
+        seen.append(signum)
+        print(f"trainkit: {signal.Signals(signum).name}: training is over; closing the run record first "
+              f"(again to stop now)", file=sys.stderr, flush=True)
+
+    previous = {s: signal.signal(s, later) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def completed(run_dir: Path, launch_dir: Optional[Path]) -> bool:
+    """Did that launch finish training? Its summary.json (written after the final checkpoint) is
+    there, complete, newer than the launch, and names a complete checkpoint of the last step."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if launch_dir is not None and (run_dir / "summary.json").stat().st_mtime < \
+                (launch_dir / "command.txt").stat().st_mtime:
+            return False  # an earlier launch's summary
+    except (OSError, ValueError):
+        return False
+    if not summary.get("checkpoint"):
+        return False
+    name = Path(summary["checkpoint"]).name  # the path may be relative to the launch's folder: look here
+    return name == f"step-{int(summary.get('steps', -1)):08d}" and \
+        (run_dir / "checkpoints" / name / "meta.json").is_file()
+
+
+def latest_launch(run_dir: Path) -> Optional[Path]:
+    launches = [p for p in (run_dir / "launches").glob("*") if (p / "command.txt").is_file()]
+    return max(launches, key=lambda p: (p / "command.txt").stat().st_mtime) if launches else None
+
+
+def finalize_dead_launch(run_dir: Path, announce: bool) -> Optional[str]:
+    """Close the MLflow run a dead launch left RUNNING (its status from what the run dir proves)."""
+    if not (run_dir / "tracking").is_dir():
+        return None
+    launch_dir = latest_launch(run_dir)
+    status = tracking.finalize_dead_launch(run_dir, launch_dir, completed(run_dir, launch_dir))
+    if status:
+        deliver(run_dir)  # best effort now; what fails waits in the spool for the next delivery
+        if announce:
+            print(f"trainkit: tracking: the previous launch ({launch_dir.name if launch_dir else '?'}) died "
+                  f"without closing its MLflow run; marked {status}", file=sys.stderr, flush=True)
+    return status
 
 
 def _free_port() -> int:
@@ -154,8 +267,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_in_process(run_dir: Path) -> tuple[int, str]:
+def _run_in_process(run_dir: Path, launch_dir: Path) -> tuple[int, str]:
     """World size 1: the worker's own code, in this process, under the same env contract as torchrun."""
+    from ..runtime import worker  # torch: imported where the work is
+
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
     saved = {k: os.environ.get(k) for k in env}
@@ -163,7 +278,7 @@ def _run_in_process(run_dir: Path) -> tuple[int, str]:
     try:
         return worker.main([str(run_dir)]), ""
     except worker.StopRequested as stop:
-        return _stopped(stop.signum, run_dir)
+        return _stopped(stop.signum, run_dir, launch_dir)
     except Exception as exc:
         reason = f"training failed: {type(exc).__name__}: {exc}"
         print(f"trainkit: {reason}", file=sys.stderr)
@@ -176,7 +291,7 @@ def _run_in_process(run_dir: Path) -> tuple[int, str]:
                 os.environ[k] = v
 
 
-def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
+def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path) -> tuple[int, str]:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -184,16 +299,18 @@ def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
     cmd = torchrun_command(recipe, run_dir)
+    announcer = failures.RestartAnnouncer(run_dir / "logs", lambda: newest_valid(run_dir / "checkpoints", warn=False))
     try:
-        torchrun.run(torchrun.parse_args(cmd[1:]))
+        with announcer:
+            torchrun.run(torchrun.parse_args(cmd[1:]))
     except ChildFailedError as err:
         report = failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts)
         print(report, file=sys.stderr)
         return 1, report
     except SignalException as exc:
-        return _stopped(int(exc.sigval), run_dir)
+        return _stopped(int(exc.sigval), run_dir, launch_dir)
     except KeyboardInterrupt:
-        return _stopped(signal.SIGINT, run_dir)
+        return _stopped(signal.SIGINT, run_dir, launch_dir)
     except Exception as exc:  # the agent itself failed (e.g. an unreadable error file on a full disk)
         reason = f"torchrun's agent failed: {type(exc).__name__}: {exc}"
         print(f"trainkit: {reason} (worker logs: {run_dir / 'logs'})", file=sys.stderr)
@@ -201,7 +318,10 @@ def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
     return 0, ""
 
 
-def _stopped(signum: int, run_dir: Path) -> tuple[int, str]:
+def _stopped(signum: int, run_dir: Path, launch_dir: Path) -> tuple[int, str]:
+    if completed(run_dir, launch_dir):  # the signal came after the last checkpoint and summary.json
+        print(f"trainkit: {signal.Signals(signum).name}: {COMPLETED}", file=sys.stderr, flush=True)
+        return 0, f"{COMPLETED} ({signal.Signals(signum).name})"
     latest: Optional[Path] = newest_valid(run_dir / "checkpoints", warn=False)
     where = f"newest complete checkpoint: {latest} (resume: auto continues from it)" if latest else \
         "no complete checkpoint was written"

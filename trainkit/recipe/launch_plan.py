@@ -11,6 +11,7 @@ from pathlib import Path
 from .schema import Recipe
 
 WORKER_MODULE = "trainkit.runtime.worker"
+FATAL_FILE = "fatal.json"  # in RUN_DIR: a failure no restart can fix (NaN, full disk); cleared by each launch
 
 
 def run_dir_for(recipe: Recipe) -> Path:

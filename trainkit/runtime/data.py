@@ -8,8 +8,11 @@ where `skipped` counts unreadable files replaced by the next readable one.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import pickle
+import signal
 import sys
 import time
 from pathlib import Path
@@ -186,6 +189,25 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), then make
+    sure the parent had not died already (before the request, the kernel would not know to send it).
+    No-op elsewhere than Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # re-parented: the parent is gone
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _loader_worker_init(parent_pid: int, worker_id: int) -> None:
+    """DataLoader workers die with their rank at once (torch's own watchdog notices only when the
+    worker next waits for work, which a worker stuck reading a file never does)."""
+    die_with_parent(parent_pid)
+
+
 def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size: int, seed: int,
                 train: bool, pin_memory: bool) -> DataLoader:
     sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
@@ -197,6 +219,7 @@ def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size
         prefetch_factor=options.prefetch_factor if workers else None,
         persistent_workers=options.persistent_workers and workers > 0,
         generator=torch.Generator().manual_seed(seed * 7919 + rank),
+        worker_init_fn=functools.partial(_loader_worker_init, os.getpid()) if workers else None,
     )
 
 

@@ -29,10 +29,11 @@ from .. import registry
 from ..monitors.base import build_monitors, context
 from ..monitors.bottleneck import diagnose
 from ..recipe import drift, resolve
+from ..recipe.launch_plan import FATAL_FILE
 from ..recipe.schema import Recipe
 from ..tracking.run import MlflowSink
 from .checkpoint import Checkpointer, DiskFullError, resume_source, saved_recipe
-from .data import build_datasets, make_loader
+from .data import build_datasets, die_with_parent, make_loader
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
 from .model import build_model
@@ -83,7 +84,7 @@ def _test_hooks(model: torch.nn.Module, rank: int) -> list:
     return list(importlib.import_module(name).install(model=model, rank=rank))
 
 
-FATAL = "fatal.json"  # a failure a restart cannot fix (non-finite values, a full disk); cleared by each launch
+FATAL = FATAL_FILE
 
 
 def record_fatal(run_dir: Path, exc: Exception) -> None:
@@ -251,8 +252,23 @@ def _fail(exc: Exception) -> None:
     raise exc
 
 
+def _die_with_launcher() -> None:
+    """A worker never outlives `trainkit run` (TRAINKIT_LAUNCHER_PID), even one SIGKILLed.
+
+    torchrun's agent runs inside the launcher; its SubprocessHandler Popens each worker (in a new
+    session: a signal to the launcher's process group misses them) from the thread that runs
+    `agent.run()` — `_invoke_run` -> `_initialize_workers`/`_restart_workers` -> `_start_workers` ->
+    `start_processes` -> `SubprocessContext._start`, all synchronous on the launcher's main thread.
+    PR_SET_PDEATHSIG fires when the *forking thread* exits, and the main thread exits only with the
+    process, so the signal means exactly "the launcher died"."""
+    launcher = os.environ.get("TRAINKIT_LAUNCHER_PID")
+    if launcher and int(launcher) != os.getpid():  # world size 1 runs main() inside the launcher itself
+        die_with_parent(int(launcher))
+
+
 @record
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    _die_with_launcher()
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: python -m trainkit.runtime.worker RUN_DIR", file=sys.stderr)

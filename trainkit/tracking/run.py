@@ -172,3 +172,39 @@ class MlflowSink:
         pass
 
 
+
+
+# --------------------------------------------------------------------------- a launch that died
+DEAD_LAUNCH = "launcher died without closing the run"
+
+
+def open_status(run_dir: Path) -> Optional[str]:
+    """The run's status as the spool leaves it: None without a run; RUNNING when the last status
+    change is a (re)opening — the launch that opened it never closed it."""
+    status = None
+    for record in Spool(run_dir).records():
+        if record["op"] == "create":
+            status = "RUNNING"
+        elif record["op"] == "status":
+            status = record["status"]
+    return status
+
+
+def finalize_dead_launch(run_dir: Path, launch_dir: Optional[Path], finished: bool) -> Optional[str]:
+    """Close the MLflow run of a launch that died without closing it (SIGKILL, OOM killer, power
+    loss): FINISHED when the run directory proves it completed (`finished`: summary.json written
+    by that launch), else KILLED with the reason. Only spools the records; the caller delivers.
+    Returns the status set, or None when the run was not left open."""
+    if open_status(run_dir) != "RUNNING":
+        return None
+    status = "FINISHED" if finished else "KILLED"
+    reason = ("completed; " if finished else "") + DEAD_LAUNCH
+    records = [{"op": "artifact", "path": str(p), "dir": d} for p, d in (
+        (run_dir / "summary.json", None), (run_dir / "reports", "reports"),
+    ) if finished and p.exists()]
+    tags = {"trainkit.status_reason": reason}
+    if launch_dir is not None:
+        tags["trainkit.dead_launch"] = launch_dir.name
+    records += [{"op": "tags", "tags": tags}, {"op": "status", "status": status, "ts": _now_ms()}]
+    Spool(run_dir).append(records)
+    return status
