@@ -203,3 +203,43 @@ def test_preflight_counts_gpus_only_when_the_recipe_runs_on_them(tmp_path, monke
     assert path == ("launch", "backend") and "nccl needs CUDA" in message
     fp16 = mlp_recipe(tmp_path, "fp16", precision="fp16")
     assert errors(resolve(fp16).recipe) == []  # fp16 on the CPU: a warning (slow), not an error
+
+
+# --------------------------------------------------------------------------- FSDP mixed precision
+_FSDP_DTYPES = """
+import json, sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from trainkit.models import mlp
+from trainkit.recipe.blocks import FSDPOptions
+from trainkit.strategies.fsdp import apply_fsdp
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = mlp(in_features=8, hidden=16, num_classes=4, depth=2)
+seen = {}
+for name, m in model.named_children():
+    m.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, str(out.dtype)))
+apply_fsdp(model, init_device_mesh("cpu", (1,)), FSDPOptions(name="fsdp"), sys.argv[1])
+out = model(torch.randn(2, 8))
+out.float().sum().backward()
+print(json.dumps({"blocks": seen, "root": str(out.dtype),
+                  "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}))
+dist.barrier(); dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp_blocks_keep_the_compute_dtype_and_only_the_root_output_is_fp32(precision):
+    """Guards the torchtitan-style policy: blocks used to cast every output to fp32 (a round trip
+    per boundary); now each wrapped Linear returns bf16/fp16, the root returns fp32, and the
+    gradients of the fp32 master parameters stay fp32. One gloo rank, in a child process."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FSDP_DTYPES, precision], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    compute = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+    assert [seen["blocks"][k] for k in ("1", "3", "5")] == [compute] * 3  # the three wrapped Linears
+    assert seen["root"] == "torch.float32"
+    assert seen["grads"] == ["torch.float32"]
