@@ -83,7 +83,8 @@ def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str
 
     kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward}
     if options.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        # pinned host memory only helps copies to a GPU: the mesh's device, not "is CUDA visible"
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for block in blocks_to_wrap(model, options.wrap):
         if options.activation_checkpointing:
             checkpoint(block)  # composable: recompute in backward, parameter names unchanged
