@@ -207,6 +207,20 @@ def test_preflight_counts_gpus_only_when_the_recipe_runs_on_them(tmp_path, monke
     assert errors(resolve(fp16).recipe) == []  # fp16 on the CPU: a warning (slow), not an error
 
 
+
+def test_doctor_counts_gpus_only_when_the_recipe_runs_on_them(tmp_path, monkeypatch):
+    """Guards `trainkit doctor` following accelerator_for: 2 gloo ranks on a 1-GPU machine run on
+    the CPU (passes), 2 auto ranks need 2 GPUs (fails)."""
+    from trainkit.doctor.devices import gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    on_cpu = gpus(resolve(mlp_recipe(tmp_path, "gloo", launch={"nproc_per_node": 2, "backend": "gloo"})))
+    assert on_cpu.status == "pass" and "gloo runs the ranks on the CPU" in on_cpu.detail
+    on_gpu = gpus(resolve(mlp_recipe(tmp_path, "auto", launch={"nproc_per_node": 2, "backend": "auto"})))
+    assert on_gpu.status == "fail" and "only 1 GPU(s)" in on_gpu.detail
+
 # --------------------------------------------------------------------------- FSDP mixed precision
 _FSDP_DTYPES = """
 import json, sys, tempfile, torch, torch.distributed as dist
