@@ -6,6 +6,7 @@ import os
 import re
 from typing import Optional
 
+from ..runtime.accelerator import accelerator_for
 from .check import Check, failed, passed, warned
 
 
@@ -38,6 +39,9 @@ def gpus(resolved) -> Check:
                       f"{nproc} (one process per GPU; {here})",
                       f"set CUDA_VISIBLE_DEVICES to {nproc} devices (e.g. {example}) or launch.nproc_per_node: "
                       f"{len(named)} ({resolved.locate(('launch', 'nproc_per_node'))})")
+    if available and resolved and accelerator_for(resolved.recipe, cuda_available=True).device_type == "cpu":
+        # the worker's own decision: backend gloo runs every rank on the CPU, GPUs or not
+        return passed("GPUs", f"{count} GPU(s) visible, but launch.backend: gloo runs the ranks on the CPU")
     if available and nproc and count < nproc:
         return failed("GPUs", f"launch.nproc_per_node is {nproc} but only {count} GPU(s) are visible "
                       f"(one process per GPU)", f"launch.nproc_per_node: {count}, or use a node with {nproc} GPUs")

@@ -23,9 +23,7 @@ def _wants_cuda(resolved) -> Optional[str]:
     r = resolved.recipe
     if r.launch.backend == "nccl":
         return "launch.backend: nccl"
-    if r.precision == "fp16":
-        return "precision: fp16"
-    return None
+    return None  # fp16 runs on the CPU too (slowly: for testing loss scaling)
 
 
 def torch_version(resolved) -> Check:
@@ -55,7 +53,7 @@ def cuda(resolved) -> Check:
     if need:
         fix = "install a CUDA build of torch" if built is None else "run on a GPU node (check nvidia-smi)"
         return failed("CUDA", f"{what}; the recipe needs CUDA ({need})",
-                      f"{fix}, or change {need.split(':')[0]} (e.g. backend: auto, precision: bf16)")
+                      f"{fix}, or change {need.split(':')[0]} (e.g. backend: auto)")
     return passed("CUDA", f"{what}: ranks run on CPU with gloo")
 
 

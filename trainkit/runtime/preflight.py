@@ -106,19 +106,24 @@ def _model(r) -> Iterator[Finding]:
 
 # --------------------------------------------------------------------------- devices and backends
 def _devices(r) -> Iterator[Finding]:
+    """GPU checks follow `accelerator_for`, the same decision the worker makes (gloo runs on the
+    CPU even where CUDA is visible). fp16 runs on the CPU too (slow; for testing loss scaling)."""
     import torch
 
-    cuda = torch.cuda.is_available()
-    if r.precision == "fp16" and not cuda:
-        yield ("precision",), "fp16 needs CUDA (autocast + GradScaler) and no GPU is visible here; " \
-            "use precision: bf16 (fast on CPUs with AMX/avx512_bf16) or fp32", "error"
-    if r.launch.backend == "nccl" and not cuda:
-        yield ("launch", "backend"), "nccl needs CUDA GPUs and none is visible; use backend: gloo (or auto)", "error"
-    uses_cuda = cuda and r.launch.backend != "gloo"
-    if uses_cuda and r.launch.nproc_per_node > torch.cuda.device_count():
+    from .accelerator import AcceleratorError, accelerator_for
+
+    try:
+        acc = accelerator_for(r, cuda_available=torch.cuda.is_available())
+    except AcceleratorError as exc:
+        yield ("launch", "backend"), str(exc).replace("launch.backend: ", "", 1), "error"
+        return
+    if acc.device_type == "cuda" and r.launch.nproc_per_node > torch.cuda.device_count():
         yield ("launch", "nproc_per_node"), (
             f"nproc_per_node {r.launch.nproc_per_node} but only {torch.cuda.device_count()} GPU(s) are visible "
             f"(one process per GPU)"), "error"
+    if r.precision == "fp16" and acc.device_type == "cpu":
+        yield ("precision",), "fp16 on the CPU is slow (no fp16 matrix units); it is meant for testing loss " \
+            "scaling: use bf16 or fp32 for real CPU training", "warning"
 
 
 def _strategy(r) -> Iterator[Finding]:
@@ -131,7 +136,12 @@ def _strategy(r) -> Iterator[Finding]:
     hook = getattr(r.strategy, "comm_hook", "none")
     import torch
 
-    backend = r.launch.backend if r.launch.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    from .accelerator import AcceleratorError, accelerator_for
+
+    try:
+        backend = accelerator_for(r, cuda_available=torch.cuda.is_available()).device_backend
+    except AcceleratorError:  # reported by _devices
+        return
     if hook == "bf16_compress" and backend == "gloo":
         error = _probe_hook_on_gloo("bf16_compress_hook")
         if error:

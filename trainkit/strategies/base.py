@@ -31,6 +31,9 @@ class Strategy:
     """
 
     comm_timer = None  # a runtime.timing.CommTimer, set before setup() when a monitor measures communication
+    # True when the strategy scales fp16 losses itself (DeepSpeed's fp16 engine): the worker then
+    # builds `Precision(..., scaler=False)`, so no torch GradScaler runs beside it.
+    owns_loss_scaling: bool = False
 
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe

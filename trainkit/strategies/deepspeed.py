@@ -76,6 +76,7 @@ def _import_deepspeed():
 
 class DeepSpeedStrategy(Strategy):
     options: DeepSpeedOptions
+    owns_loss_scaling = True  # ds_config's fp16.loss_scale (0: dynamic, else fixed); no torch GradScaler
 
     def setup(self, model: nn.Module, optimizer_factory):
         deepspeed = _import_deepspeed()

@@ -58,14 +58,23 @@ def unknown_wrap_classes(model: nn.Module, class_names: list[str]) -> list[str]:
     return [n for n in class_names if n not in present]
 
 
-def mixed_precision_policy(precision_name: str):
-    """bf16/fp16 parameters in compute, fp32 gradient reduction (the torchtitan default)."""
+def mixed_precision_policy(precision_name: str, *, root: bool = False):
+    """bf16/fp16 parameters in compute, fp32 gradient reduction (torchtitan's policy).
+
+    Outputs are cast to fp32 only at the root (`root=True`): a block's output stays in the compute
+    dtype and goes straight into the next block. Casting every block's output to fp32 (as
+    `output_dtype` on each unit would) costs a round trip per boundary -- an fp32 copy of each
+    activation, kept for backward, then cast back by the next unit's `cast_forward_inputs` -- and
+    hands fp32 activations to layers the root owns whose parameters are in the compute dtype.
+    torchtitan sets no output dtype on its blocks either and casts the logits once, for the loss.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name)
     if dtype is None:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
 
 
 def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str) -> nn.Module:
@@ -73,15 +82,15 @@ def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward,
-              "mp_policy": mixed_precision_policy(precision_name)}
+    kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward}
     if options.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        # pinned host memory only helps copies to a GPU: the mesh's device, not "is CUDA visible"
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for block in blocks_to_wrap(model, options.wrap):
         if options.activation_checkpointing:
             checkpoint(block)  # composable: recompute in backward, parameter names unchanged
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mp_policy=mixed_precision_policy(precision_name), **kwargs)
+    fully_shard(model, mp_policy=mixed_precision_policy(precision_name, root=True), **kwargs)
     return model
 
 
