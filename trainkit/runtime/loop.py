@@ -122,7 +122,7 @@ class Loop:
         self.skipped = False
         if self.recipe.trainer.on_nonfinite == "skip_step" and not self.guard.step_is_finite(
                 self.strategy, total, self.model.parameters(), device=self.device,
-                check_grads=getattr(self.precision, "scaler", None) is None):  # a loss scaler skips inf grads itself
+                check_grads=self.precision.scaler is None):  # a loss scaler skips inf grads itself
             self.optimizer.zero_grad(set_to_none=True)  # discard the step: no update
             grad_norm, self.skipped = None, True
         else:

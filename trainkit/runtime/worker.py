@@ -32,6 +32,7 @@ from ..recipe import drift, resolve
 from ..recipe.launch_plan import FATAL_FILE
 from ..recipe.schema import Recipe
 from ..tracking.run import MlflowSink
+from .accelerator import accelerator_for
 from .checkpoint import Checkpointer, DiskFullError, resume_source, saved_recipe
 from .data import build_datasets, die_with_parent, make_loader
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
@@ -66,12 +67,6 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
     except ImportError:
         pass
-
-
-def backend_for(recipe: Recipe) -> str:
-    if recipe.launch.backend != "auto":
-        return recipe.launch.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _test_hooks(model: torch.nn.Module, rank: int) -> list:
@@ -147,9 +142,10 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
     model = build_model(recipe.model)
-    precision = Precision(recipe.precision, device, recipe.trainer.loss_scale)
-    strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision,
-                                                   recipe=recipe)
+    strategy_cls = registry.component(recipe.strategy)
+    precision = Precision(recipe.precision, device, recipe.trainer.loss_scale,
+                          scaler=not strategy_cls.owns_loss_scaling)  # DeepSpeed scales the loss itself
+    strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe)
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
@@ -276,13 +272,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir = Path(args[0])
     resolved = resolve(run_dir / "recipe.yaml")
     recipe = resolved.recipe
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    # one decision for device and backend (the same function preflight and doctor use)
+    accelerator = accelerator_for(recipe, cuda_available=torch.cuda.is_available(),
+                                  local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    device = accelerator.device
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    dist.init_process_group(backend_for(recipe), timeout=timedelta(seconds=recipe.launch.timeout_s))
+    dist.init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
         summary = train(run_dir, recipe, resolved.data, device)
         if dist.get_rank() == 0:
