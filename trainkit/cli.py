@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "github"], default="text",
                    help="text for people, json for tools, github for Actions annotations")
     p.add_argument("--deep", action="store_true",
-                   help="also run checks that import torch: model exists, data paths, devices, DeepSpeed config")
+                   help="also run checks that import torch and the model's module (never other recipe code): model "
+                        "exists and is a model factory, data paths, devices, DeepSpeed config")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema (for editor autocompletion)")
@@ -128,8 +129,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(format_problems(problems), file=sys.stderr)
         total = len(files) + len(missing)
         print(f"{total - invalid} of {total} recipe(s) valid"
-              + ("" if args.deep else " (not checked without --deep: model exists, data paths, devices, "
-                 "DeepSpeed config)"))
+              + ("" if args.deep else " (not checked without --deep, which imports the model's module: model "
+                 "exists and is a model factory, data paths, devices, DeepSpeed config)"))
     else:
         print(format_problems(problems, args.format))
     return EXIT_INVALID if invalid else EXIT_OK
@@ -188,7 +189,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.recipe:
         from .recipe import resolve
 
+        from .recipe import RecipeError
+        from .runtime.preflight import model_problems
+
         resolved = resolve(args.recipe, args.overrides)
+        errors = [p for p in model_problems(resolved) if p.severity == "error"]
+        if errors:  # the factory rule first: nothing a recipe names is built unless it is a model factory
+            raise RecipeError(errors)
     checks = doctor.run_checks(resolved)
     if args.format == "json":
         print(doctor.as_json(checks, args.recipe))

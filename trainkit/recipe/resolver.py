@@ -22,7 +22,7 @@ from .. import registry
 from .problems import Location, Problem, RecipeError, did_you_mean, short
 from .schema import PLUGIN_FIELDS, Recipe, recipe_model
 from .yaml_source import KEY, Path_, dotted, load_yaml
-from . import rules
+from . import imports, rules
 
 Positions = dict[Path_, Location]
 
@@ -235,7 +235,10 @@ def _check_model_name(data: dict, positions: Positions, file: str, problems: lis
         return  # the schema reports missing/mistyped names
     if name.startswith("torchvision.") or name in registry.names("models"):
         return
-    if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", name):
+    if imports.is_import_path(name):
+        why = imports.refusal(name)
+        if why:
+            problems.append(Problem(locate(positions, ("model", "name"), file), "model.name", why))
         return
     problems.append(Problem(
         locate(positions, ("model", "name"), file), "model.name",
