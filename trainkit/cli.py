@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ui", help="start the MLflow UI on the tracking store (loopback by default)")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; the MLflow UI has no authentication)")
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(func=cmd_ui)
 
@@ -140,7 +141,7 @@ def _deep_problems(resolved) -> list:
     """Checks that need torch and the filesystem: run by `plan` and `validate --deep`."""
     from .runtime import preflight
 
-    return preflight.check(resolved)
+    return resolved.redact_problems(preflight.check(resolved))
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -193,14 +194,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from .runtime.preflight import model_problems
 
         resolved = resolve(args.recipe, args.overrides)
-        errors = [p for p in model_problems(resolved) if p.severity == "error"]
+        errors = [p for p in resolved.redact_problems(model_problems(resolved)) if p.severity == "error"]
         if errors:  # the factory rule first: nothing a recipe names is built unless it is a model factory
             raise RecipeError(errors)
     checks = doctor.run_checks(resolved)
     if args.format == "json":
-        print(doctor.as_json(checks, args.recipe))
+        out = doctor.as_json(checks, args.recipe)
     else:
-        print(doctor.table(checks, f"trainkit doctor: {args.recipe or 'this machine (no recipe)'}"))
+        out = doctor.table(checks, f"trainkit doctor: {args.recipe or 'this machine (no recipe)'}")
+    print(resolved.redact_text(out) if resolved else out)
     return EXIT_FAILED if doctor.exit_code(checks) else EXIT_OK
 
 

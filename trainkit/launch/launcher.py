@@ -3,12 +3,16 @@
 Run directory (stable per recipe name, so `resume: auto` finds the previous launch's checkpoints):
 
     RUN_DIR = <launch.run_dir>/<name>/
-      recipe.yaml              resolved recipe the workers read (latest launch)
+      recipe.yaml              the composed recipe the workers read (latest launch); `${oc.env:...}`
+                               references stay unresolved: each worker resolves them from its own
+                               environment, so no secret is ever written to disk
+      recipe.resolved.yaml     the resolved recipe for people, secrets shown as ***
       checkpoints/step-NNNNNNNN/
       metrics.jsonl            appended by every launch
       summary.json             written by rank 0 at the end
       logs/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, error.json   (torchelastic)
-      launches/<timestamp>/    recipe.yaml, command.txt, environment.json of each launch
+      launches/<timestamp>/    recipe.yaml, recipe.resolved.yaml, command.txt, environment.json of each
+                               launch (environment.json: secret-looking variables' values dropped)
 
 World size 1 runs the same worker code in this process (no torchrun, no restarts).
 """
@@ -26,11 +30,14 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..recipe import secrets
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
 from . import failures
 
 WORKER_MODULE = "trainkit.runtime.worker"
+# environment.json records these variables (a secret-looking name keeps its name, not its value)
+RECORDED_ENV = ("CUDA_", "NCCL_", "OMP_", "TORCH_", "MASTER_", "PET_", "SLURM_", "TRAINKIT_")
 
 
 def run_dir_for(recipe: Recipe) -> Path:
@@ -66,8 +73,7 @@ def _environment() -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpu_count": os.cpu_count(), "cwd": os.getcwd(),
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("CUDA_", "NCCL_", "OMP_", "TORCH_", "MASTER_", "TRAINKIT_"))},
+        "env": secrets.redact_environment({k: v for k, v in os.environ.items() if k.startswith(RECORDED_ENV)}),
     }
     from importlib.metadata import PackageNotFoundError, version
 
@@ -105,15 +111,20 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
     spool = run_dir / "tracking"
     if recipe.trainer.resume == "never" and spool.is_dir():
         spool.rename(run_dir / f"tracking.before-{launch_dir.name}")  # a fresh MLflow run
-    text = "# Resolved by trainkit from " + recipe_path + (" " + " ".join(overrides) if overrides else "") + "\n"
-    text += yaml.safe_dump(resolved.data, sort_keys=False)
-    for where in (run_dir / "recipe.yaml", launch_dir / "recipe.yaml"):
-        where.write_text(text)
+    source = resolved.redact_text(recipe_path + (" " + " ".join(overrides) if overrides else ""))
+    composed = ("# Composed by trainkit from " + source + "\n# ${oc.env:...} references are resolved by each "
+                "worker from its environment; recipe.resolved.yaml shows the values (secrets as ***)\n"
+                + yaml.safe_dump(secrets.redact(resolved.raw, ()), sort_keys=False))
+    shown = "# Resolved by trainkit from " + source + " (secrets shown as ***)\n" + \
+        yaml.safe_dump(resolved.redacted(), sort_keys=False)
+    for folder in (run_dir, launch_dir):
+        (folder / "recipe.yaml").write_text(composed)
+        (folder / "recipe.resolved.yaml").write_text(shown)
     command = ["trainkit", "run", recipe_path, *overrides]
     lines = [shlex.join(command)]
     if (recipe.world_size or 2) > 1:
         lines.append(shlex.join(torchrun_command(recipe, run_dir)))
-    (launch_dir / "command.txt").write_text("\n".join(lines) + "\n")
+    (launch_dir / "command.txt").write_text(resolved.redact_text("\n".join(lines)) + "\n")
     (launch_dir / "environment.json").write_text(json.dumps(_environment(), indent=2) + "\n")
     return run_dir, launch_dir
 
@@ -124,7 +135,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     from ..runtime import preflight
     from ..tracking import run as tracking
 
-    problems = preflight.check(resolved)
+    problems = resolved.redact_problems(preflight.check(resolved))
     errors = [p for p in problems if p.severity == "error"]
     if problems:
         print(format_problems(problems), file=sys.stderr)
@@ -158,6 +169,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
     finally:
         if delivery is not None:
             delivery.close(timeout=5.0)
+    reason = resolved.redact_text(reason)
     if code != 0:
         (launch_dir / "failure.txt").write_text(reason + "\n")
     if where:

@@ -1,7 +1,9 @@
 """One training process: `python -m trainkit.runtime.worker RUN_DIR` (started by torchrun, or
 called in-process by the launcher when the world size is 1).
 
-Reads RUN_DIR/recipe.yaml (the fully resolved recipe the launcher wrote), joins the process group,
+Reads RUN_DIR/recipe.yaml (the composed recipe the launcher wrote, resolving its `${oc.env:...}`
+references from the environment this process inherited: secrets never pass through a file), joins
+the process group,
 builds every component from the recipe, runs the loop, and always leaves the group cleanly.
 
 Test-only fault injection: TRAINKIT_FAULT_INJECT="rank=1,step=7" makes that rank `os._exit(1)`
