@@ -246,7 +246,7 @@ def _check_model_name(data: dict, positions: Positions, file: str, problems: lis
     name = model.get("name") if isinstance(model, dict) else None
     if not isinstance(name, str):
         return  # the schema reports missing/mistyped names
-    if name.startswith("torchvision.") or name in registry.names("models"):
+    if (name.startswith("torchvision.") and ":" not in name) or name in registry.names("models"):
         return
     if imports.is_import_path(name):
         why = imports.refusal(name)

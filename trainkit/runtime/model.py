@@ -25,7 +25,7 @@ class NotAModelFactory(TypeError):
 
 def factory(name: str) -> Callable[..., Any]:
     """The callable behind a model name (raises ImportError/KeyError/PluginError/NotAModelFactory)."""
-    if name.startswith("torchvision."):
+    if name.startswith("torchvision.") and ":" not in name:
         import torchvision
 
         short = name.split(".", 1)[1]
@@ -48,7 +48,7 @@ def check_model_factory(name: str, obj: Any) -> None:
         if issubclass(obj, nn.Module):
             return
         raise NotAModelFactory(f"'{name}' is the class {obj.__module__}.{obj.__qualname__}, which is not a "
-                               f"torch.nn.Module subclass")
+                               f"torch.nn.Module subclass, so not a model factory")
     if registry.is_marked_factory(obj) or _torchvision_builder(obj):
         return
     what = "a lambda" if getattr(obj, "__name__", "") == "<lambda>" else f"a {type(obj).__name__}"

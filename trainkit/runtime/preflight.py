@@ -89,7 +89,7 @@ def _model(r) -> Iterator[Finding]:
 
     spec = r.model
     name = spec.name
-    if name.startswith("torchvision."):
+    if name.startswith("torchvision.") and ":" not in name:
         import torchvision
 
         known = torchvision.models.list_models(module=torchvision.models)
