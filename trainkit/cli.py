@@ -277,7 +277,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .monitors.bottleneck import diagnose
-    from .recipe import resolve
+    from .recipe import RecipeError, resolve
 
     run_dir = Path(args.run_dir)
     evidence_path = run_dir / "reports" / "breakdown.json"
@@ -289,7 +289,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"trainkit: {evidence_path} is not valid JSON (cut short by a crash?)", file=sys.stderr)
         return EXIT_FAILED
-    recipe = resolve(run_dir / "recipe.yaml").recipe
+    try:
+        recipe = resolve(run_dir / "recipe.yaml").recipe
+    except RecipeError:  # its ${oc.env:...} references need the run's environment: the shown copy will do
+        recipe = resolve(run_dir / "recipe.resolved.yaml").recipe
     print(diagnose(evidence["per_rank"], recipe).markdown(recipe.name), end="")
     return EXIT_OK
 

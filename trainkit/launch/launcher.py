@@ -165,7 +165,8 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = ()) -> int:
         print(f"trainkit: tracking: {where}", flush=True)
         delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
-        code, reason = _run_in_process(run_dir) if in_process else _run_torchrun(recipe, run_dir)
+        redact = resolved.redact_text
+        code, reason = _run_in_process(run_dir, redact) if in_process else _run_torchrun(recipe, run_dir, redact)
     finally:
         if delivery is not None:
             delivery.close(timeout=5.0)
@@ -184,7 +185,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_in_process(run_dir: Path) -> tuple[int, str]:
+def _run_in_process(run_dir: Path, redact=str) -> tuple[int, str]:
     """World size 1: the worker's own code, in this process, under the same env contract as torchrun."""
     from ..runtime import worker
 
@@ -197,7 +198,7 @@ def _run_in_process(run_dir: Path) -> tuple[int, str]:
     except worker.StopRequested as stop:
         return _stopped(stop.signum, run_dir)
     except Exception as exc:
-        reason = f"training failed: {type(exc).__name__}: {exc}"
+        reason = redact(f"training failed: {type(exc).__name__}: {exc}")
         print(f"trainkit: {reason}", file=sys.stderr)
         return 1, reason
     finally:
@@ -208,7 +209,8 @@ def _run_in_process(run_dir: Path) -> tuple[int, str]:
                 os.environ[k] = v
 
 
-def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
+def _run_torchrun(recipe: Recipe, run_dir: Path, redact=str) -> tuple[int, str]:
+    """torchrun's agent in this process; `redact` masks secrets in the failure report it prints."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -219,7 +221,7 @@ def _run_torchrun(recipe: Recipe, run_dir: Path) -> tuple[int, str]:
     try:
         torchrun.run(torchrun.parse_args(cmd[1:]))
     except ChildFailedError as err:
-        report = failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts)
+        report = redact(failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts))
         print(report, file=sys.stderr)
         return 1, report
     except SignalException as exc:
