@@ -89,15 +89,13 @@ def corpus(tmp_path_factory):
     (tmp / "plugins").mkdir()
     (tmp / "plugins" / "evilmod.py").write_text(EVIL_MODULE)
     (tmp / "plugins" / "sideeffect.py").write_text(SIDE_EFFECT_MODULE + "def f(**kw):\n    pass\n")
-    files = {}
-    for case, (model, _) in {**HOSTILE, **{k: (v, False) for k, v in ACCEPTED.items()}}.items():
-        args = {"command": f"touch {tmp / 'pwned'}"} if ":" in model and "." not in model.split(":")[0] else {}
-        if case in ACCEPTED and case != "torchvision-builder":
-            args = {"in_features": 48, "num_classes": 4}
-        if case == "torchvision-builder":
-            args = {"num_classes": 4}
-        files[case] = mlp_recipe(tmp, case, model={"name": model, "args": args},
-                                 launch={"nproc_per_node": 1, "run_dir": str(tmp / "runs"), "timeout_s": 60})
+    models = {case: (model, {"command": f"touch {tmp / 'pwned'}"}) for case, (model, _) in HOSTILE.items()}
+    models["torch-hub-load"] = (HOSTILE["torch-hub-load"][0], {})
+    models.update({case: (model, {"num_classes": 4} if model.startswith("torchvision") else
+                          {"in_features": 48, "num_classes": 4}) for case, model in ACCEPTED.items()})
+    files = {case: mlp_recipe(tmp, case, model={"name": model, "args": args},
+                              launch={"nproc_per_node": 1, "run_dir": str(tmp / "runs"), "timeout_s": 60})
+             for case, (model, args) in models.items()}
     return tmp, files
 
 
