@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "github"], default="text",
                    help="text for people, json for tools, github for Actions annotations")
     p.add_argument("--deep", action="store_true",
-                   help="also run checks that import torch: model exists, data paths, devices, DeepSpeed config")
+                   help="also run checks that import torch and the model's module (never other recipe code): model "
+                        "exists and is a model factory, data paths, devices, DeepSpeed config")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema (for editor autocompletion)")
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ui", help="start the MLflow UI on the tracking store (loopback by default)")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; the MLflow UI has no authentication)")
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(func=cmd_ui)
 
@@ -131,8 +133,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(format_problems(problems), file=sys.stderr)
         total = len(files) + len(missing)
         print(f"{total - invalid} of {total} recipe(s) valid"
-              + ("" if args.deep else " (not checked without --deep: model exists, data paths, devices, "
-                 "DeepSpeed config)"))
+              + ("" if args.deep else " (not checked without --deep, which imports the model's module: model "
+                 "exists and is a model factory, data paths, devices, DeepSpeed config)"))
     else:
         print(format_problems(problems, args.format))
     return EXIT_INVALID if invalid else EXIT_OK
@@ -142,7 +144,7 @@ def _deep_problems(resolved) -> list:
     """Checks that need torch and the filesystem: run by `plan` and `validate --deep`."""
     from .runtime import preflight
 
-    return preflight.check(resolved)
+    return resolved.redact_problems(preflight.check(resolved))
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -191,12 +193,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.recipe:
         from .recipe import resolve
 
+        from .recipe import RecipeError
+        from .runtime.preflight import model_problems
+
         resolved = resolve(args.recipe, args.overrides)
+        errors = [p for p in resolved.redact_problems(model_problems(resolved)) if p.severity == "error"]
+        if errors:  # the factory rule first: nothing a recipe names is built unless it is a model factory
+            raise RecipeError(errors)
     checks = doctor.run_checks(resolved)
     if args.format == "json":
-        print(doctor.as_json(checks, args.recipe))
+        out = doctor.as_json(checks, args.recipe)
     else:
-        print(doctor.table(checks, f"trainkit doctor: {args.recipe or 'this machine (no recipe)'}"))
+        out = doctor.table(checks, f"trainkit doctor: {args.recipe or 'this machine (no recipe)'}")
+    print(resolved.redact_text(out) if resolved else out)
     return EXIT_FAILED if doctor.exit_code(checks) else EXIT_OK
 
 
@@ -287,7 +296,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .monitors.bottleneck import diagnose
-    from .recipe import resolve
+    from .recipe import RecipeError, resolve
 
     run_dir = Path(args.run_dir)
     evidence_path = run_dir / "reports" / "breakdown.json"
@@ -299,7 +308,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"trainkit: {evidence_path} is not valid JSON (cut short by a crash?)", file=sys.stderr)
         return EXIT_FAILED
-    recipe = resolve(run_dir / "recipe.yaml").recipe
+    try:
+        recipe = resolve(run_dir / "recipe.yaml").recipe
+    except RecipeError:  # its ${oc.env:...} references need the run's environment: the shown copy will do
+        recipe = resolve(run_dir / "recipe.resolved.yaml").recipe
     print(diagnose(evidence["per_rank"], recipe).markdown(recipe.name), end="")
     return EXIT_OK
 

@@ -7,6 +7,10 @@ Listing names reads package metadata only; a plugin is imported when a recipe na
 * datasets / strategies / monitors: the entry point names a pydantic options model with a
   ``name: Literal[...]`` tag and a ``component`` ClassVar ("module:attr") for the runtime piece.
 * models: the entry point names the factory itself (called with the recipe's ``model.args``).
+
+A recipe may also name a model by import path (`pkg.module:attr`); that object must be a
+``torch.nn.Module`` subclass or a function marked with ``@model_factory`` (see
+`trainkit.runtime.model`), so a recipe can never name `os:system`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 KINDS = ("models", "datasets", "strategies", "monitors")
+FACTORY_MARK = "__trainkit_model_factory__"
 
 
 class PluginError(Exception):
@@ -53,6 +58,19 @@ def load(kind: str, name: str) -> Any:
     except Exception as exc:  # a broken third-party plugin must not crash the CLI
         raise PluginError(f"{kind[:-1]} plugin '{name}' ({ep.value}) failed to import: "
                           f"{type(exc).__name__}: {exc}") from exc
+
+
+def model_factory(fn: Any) -> Any:
+    """Mark a function as a trainkit model factory, so recipes may name it by import path.
+
+    Plain functions are refused by default: a recipe is data, and `os:system` is a function too.
+    """
+    setattr(fn, FACTORY_MARK, True)
+    return fn
+
+
+def is_marked_factory(obj: Any) -> bool:
+    return getattr(obj, FACTORY_MARK, False) is True
 
 
 def import_path(spec: str) -> Any:

@@ -19,5 +19,5 @@ def before_launch(resolved) -> int:
     """The quick checks for `trainkit run`: prints warnings and failures; returns how many failed."""
     checks = [c for c in run_checks(resolved, fast_only=True) if c.status != "pass"]
     if checks:
-        print(rows(checks), file=sys.stderr)
+        print(resolved.redact_text(rows(checks)), file=sys.stderr)
     return sum(c.status == "fail" for c in checks)

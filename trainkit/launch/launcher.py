@@ -3,12 +3,16 @@
 Run directory (stable per recipe name, so `resume: auto` finds the previous launch's checkpoints):
 
     RUN_DIR = <launch.run_dir>/<name>/
-      recipe.yaml              resolved recipe the workers read (latest launch)
+      recipe.yaml              the composed recipe the workers read (latest launch); `${oc.env:...}`
+                               references stay unresolved: each worker resolves them from its own
+                               environment, so no secret is ever written to disk
+      recipe.resolved.yaml     the resolved recipe for people, secrets shown as ***
       checkpoints/step-NNNNNNNN/
       metrics.jsonl            appended by every launch
       summary.json             written by rank 0 at the end
       logs/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, error.json   (torchelastic)
-      launches/<timestamp>/    recipe.yaml, command.txt, environment.json of each launch
+      launches/<timestamp>/    recipe.yaml, recipe.resolved.yaml, command.txt, environment.json of each
+                               launch (environment.json: secret-looking variables' values dropped)
       launch.lock              the live launch (see lock.py): one launch per run directory
 
 World size 1 runs the same worker code in this process (no torchrun, no restarts).
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import doctor
-from ..recipe import drift
+from ..recipe import drift, secrets
 from ..recipe.launch_plan import FATAL_FILE, run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
@@ -43,6 +47,8 @@ from . import failures
 from .lock import LaunchLock, LockHeld, describe, job_identity
 
 COMPLETED = "interrupted after training completed; final checkpoint and summary are complete"
+# environment.json records these variables (a secret-looking name keeps its name, not its value)
+RECORDED_ENV = ("CUDA_", "NCCL_", "OMP_", "TORCH_", "MASTER_", "PET_", "SLURM_", "TRAINKIT_")
 
 
 def newest_valid(ckpt_dir: Path, warn: bool = True) -> Optional[Path]:
@@ -59,8 +65,7 @@ def _environment() -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpu_count": os.cpu_count(), "cwd": os.getcwd(),
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("CUDA_", "NCCL_", "OMP_", "TORCH_", "MASTER_", "TRAINKIT_"))},
+        "env": secrets.redact_environment({k: v for k, v in os.environ.items() if k.startswith(RECORDED_ENV)}),
     }
     from importlib.metadata import PackageNotFoundError, version
 
@@ -99,15 +104,20 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
     spool = run_dir / "tracking"
     if recipe.trainer.resume == "never" and spool.is_dir():
         spool.rename(run_dir / f"tracking.before-{launch_dir.name}")  # a fresh MLflow run
-    text = "# Resolved by trainkit from " + recipe_path + (" " + " ".join(overrides) if overrides else "") + "\n"
-    text += yaml.safe_dump(resolved.data, sort_keys=False)
-    for where in (run_dir / "recipe.yaml", launch_dir / "recipe.yaml"):
-        where.write_text(text)
+    source = resolved.redact_text(recipe_path + (" " + " ".join(overrides) if overrides else ""))
+    composed = ("# Composed by trainkit from " + source + "\n# ${oc.env:...} references are resolved by each "
+                "worker from its environment; recipe.resolved.yaml shows the values (secrets as ***)\n"
+                + yaml.safe_dump(secrets.redact(resolved.raw, ()), sort_keys=False))
+    shown = "# Resolved by trainkit from " + source + " (secrets shown as ***)\n" + \
+        yaml.safe_dump(resolved.redacted(), sort_keys=False)
+    for folder in (run_dir, launch_dir):
+        (folder / "recipe.yaml").write_text(composed)
+        (folder / "recipe.resolved.yaml").write_text(shown)
     command = ["trainkit", "run", recipe_path, *overrides]
     lines = [shlex.join(command)]
     if (recipe.world_size or 2) > 1:
         lines.append(shlex.join(torchrun_command(recipe, run_dir)))
-    (launch_dir / "command.txt").write_text("\n".join(lines) + "\n")
+    (launch_dir / "command.txt").write_text(resolved.redact_text("\n".join(lines)) + "\n")
     (launch_dir / "environment.json").write_text(json.dumps(_environment(), indent=2) + "\n")
     return run_dir, launch_dir
 
@@ -140,7 +150,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
 
 
 def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes: bool) -> int:
-    problems = preflight.check(resolved)
+    problems = resolved.redact_problems(preflight.check(resolved))
     errors = [p for p in problems if p.severity == "error"]
     if problems:
         print(format_problems(problems), file=sys.stderr)
@@ -168,14 +178,14 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
     environment = json.loads((launch_dir / "environment.json").read_text())
     where = tracking.open_run(resolved, run_dir, launch_dir, environment)
     if where and decision.accepted:
-        tracking.continue_in_new_run(run_dir, decision.step, resolved.data, drift.summary(decision.accepted))
+        tracking.continue_in_new_run(run_dir, decision.step, resolved.redacted(), drift.summary(decision.accepted))
     delivery = None
     if where:
         print(f"trainkit: tracking: {where}", flush=True)
         delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
-        code, reason = _run_in_process(run_dir, launch_dir) if in_process else \
-            _run_torchrun(recipe, run_dir, launch_dir)
+        code, reason = _run_in_process(run_dir, launch_dir, resolved.redact_text) if in_process else \
+            _run_torchrun(recipe, run_dir, launch_dir, resolved.redact_text)
     except BaseException:
         if delivery is not None:
             delivery.close(timeout=5.0)
@@ -183,7 +193,7 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
     with _closing_first():
         if delivery is not None:
             delivery.close(timeout=5.0)
-        return _close(recipe, run_dir, launch_dir, where, code, reason)
+        return _close(recipe, run_dir, launch_dir, where, code, resolved.redact_text(reason))
 
 
 def _close(recipe: Recipe, run_dir: Path, launch_dir: Path, where: Optional[str], code: int, reason: str) -> int:
@@ -267,7 +277,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_in_process(run_dir: Path, launch_dir: Path) -> tuple[int, str]:
+def _run_in_process(run_dir: Path, launch_dir: Path, redact=str) -> tuple[int, str]:
     """World size 1: the worker's own code, in this process, under the same env contract as torchrun."""
     from ..runtime import worker  # torch: imported where the work is
 
@@ -280,7 +290,7 @@ def _run_in_process(run_dir: Path, launch_dir: Path) -> tuple[int, str]:
     except worker.StopRequested as stop:
         return _stopped(stop.signum, run_dir, launch_dir)
     except Exception as exc:
-        reason = f"training failed: {type(exc).__name__}: {exc}"
+        reason = redact(f"training failed: {type(exc).__name__}: {exc}")
         print(f"trainkit: {reason}", file=sys.stderr)
         return 1, reason
     finally:
@@ -291,7 +301,8 @@ def _run_in_process(run_dir: Path, launch_dir: Path) -> tuple[int, str]:
                 os.environ[k] = v
 
 
-def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path) -> tuple[int, str]:
+def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -> tuple[int, str]:
+    """torchrun's agent in this process; `redact` masks secrets in the failure report it prints."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -304,7 +315,7 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path) -> tuple[int,
         with announcer:
             torchrun.run(torchrun.parse_args(cmd[1:]))
     except ChildFailedError as err:
-        report = failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts)
+        report = redact(failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts))
         print(report, file=sys.stderr)
         return 1, report
     except SignalException as exc:
@@ -312,7 +323,7 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path) -> tuple[int,
     except KeyboardInterrupt:
         return _stopped(signal.SIGINT, run_dir, launch_dir)
     except Exception as exc:  # the agent itself failed (e.g. an unreadable error file on a full disk)
-        reason = f"torchrun's agent failed: {type(exc).__name__}: {exc}"
+        reason = redact(f"torchrun's agent failed: {type(exc).__name__}: {exc}")
         print(f"trainkit: {reason} (worker logs: {run_dir / 'logs'})", file=sys.stderr)
         return 1, reason
     return 0, ""

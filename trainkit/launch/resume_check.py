@@ -40,7 +40,7 @@ def decide(resolved, run_dir: Path, accept_changes: bool) -> ResumeDecision:
         return ResumeDecision()
     step = saved_step(checkpoint)
     saved = saved_recipe(checkpoint)
-    found = drift.compare(saved, resolved.data, drift.plugin_safe_options(recipe)) if saved is not None else None
+    found = drift.compare(saved, resolved.redacted(), drift.plugin_safe_options(recipe)) if saved is not None else None
     if found is not None and found.refused and resume != "auto":
         # an explicit trainer.resume: PATH deliberately starts this recipe from that checkpoint (fine-tuning,
         # resharding to another world size): the differences are shown, not refused

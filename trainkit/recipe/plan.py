@@ -14,7 +14,8 @@ from .resolver import Resolved
 
 def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> str:
     r = resolved.recipe
-    lines = ["# resolved recipe", yaml.safe_dump(resolved.data, sort_keys=False).rstrip(), "", "# what it implies"]
+    lines = ["# resolved recipe (secrets from the environment shown as ***)",
+             yaml.safe_dump(resolved.redacted(), sort_keys=False).rstrip(), "", "# what it implies"]
     ws = r.world_size
     lines.append(f"world size:      {ws if ws is not None else 'elastic ' + str(r.launch.nnodes) + ' nodes'}"
                  f"  ({r.launch.nproc_per_node} per node x {r.launch.nnodes} node(s))")
@@ -34,7 +35,7 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> 
     lines += _strategy_lines(r)
     lines.append(f"files:           {', '.join(resolved.files)}")
     lines += ["", "# command (run by `trainkit run`)", shlex.join(torchrun_command(r, "<run dir>"))]
-    return "\n".join(lines)
+    return resolved.redact_text("\n".join(lines))
 
 
 def _strategy_lines(r) -> list[str]:

@@ -8,6 +8,7 @@ line and column (or override) that set the offending value.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import typing
@@ -22,7 +23,7 @@ from .. import registry
 from .problems import Location, Problem, RecipeError, did_you_mean, short
 from .schema import PLUGIN_FIELDS, Recipe, recipe_model
 from .yaml_source import KEY, Path_, dotted, load_yaml
-from . import rules
+from . import imports, paths, rules, secrets
 
 Positions = dict[Path_, Location]
 
@@ -36,9 +37,21 @@ class Resolved:
     positions: Positions
     files: list[str]
     warnings: list[Problem] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)  # composed + overrides, `${...}` not yet resolved
+    secrets: frozenset[str] = frozenset()  # values of secret-looking env variables the recipe reads
 
     def locate(self, path: Path_) -> Location:
         return locate(self.positions, path, self.files[0])
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved data as it may be printed or stored (secrets and URI credentials masked)."""
+        return secrets.redact(self.data, self.secrets)
+
+    def redact_text(self, text: str) -> str:
+        return secrets.redact_text(text, self.secrets)
+
+    def redact_problems(self, problems: list[Problem]) -> list[Problem]:
+        return _redacted(problems, self.secrets)
 
 
 def locate(positions: Positions, path: Path_, default_file: str, key: bool = False) -> Location:
@@ -233,9 +246,12 @@ def _check_model_name(data: dict, positions: Positions, file: str, problems: lis
     name = model.get("name") if isinstance(model, dict) else None
     if not isinstance(name, str):
         return  # the schema reports missing/mistyped names
-    if name.startswith("torchvision.") or name in registry.names("models"):
+    if (name.startswith("torchvision.") and ":" not in name) or name in registry.names("models"):
         return
-    if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", name):
+    if imports.is_import_path(name):
+        why = imports.refusal(name)
+        if why:
+            problems.append(Problem(locate(positions, ("model", "name"), file), "model.name", why))
         return
     problems.append(Problem(
         locate(positions, ("model", "name"), file), "model.name",
@@ -343,9 +359,11 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     if problems:  # a broken composition makes every later message noise
         raise RecipeError(problems)
     data = _apply_overrides(data, positions, overrides, problems)
+    raw = copy.deepcopy(data)
+    hidden = secrets.secret_values(raw)
     data = _interpolate(data, positions, file, problems)
     if problems:
-        raise RecipeError(problems)
+        raise RecipeError(_redacted(problems, hidden))
     if isinstance(data.get("monitors"), list):
         data["monitors"] = [{"name": m} if isinstance(m, str) else m for m in data["monitors"]]
     _check_model_name(data, positions, file, problems)
@@ -367,9 +385,24 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     if recipe is not None and not problems:
         for rule_path, message in rules.check(recipe):
             problems.append(Problem(locate(positions, rule_path, file), dotted(rule_path), message))
+        problems += _secret_path_components(recipe, hidden, positions, file)
     if problems:
-        raise RecipeError(_dedupe(problems))
-    return Resolved(recipe=recipe, data=data, positions=positions, files=files)
+        raise RecipeError(_redacted(_dedupe(problems), hidden))
+    return Resolved(recipe=recipe, data=data, positions=positions, files=files, raw=raw, secrets=hidden)
+
+
+def _secret_path_components(recipe: Recipe, hidden: frozenset[str], positions: Positions,
+                            file: str) -> list[Problem]:
+    """A folder name is written to disk and shown everywhere: it cannot carry a secret."""
+    return [Problem(locate(positions, path, file), dotted(path),
+                    "comes from a secret environment variable, but it names a folder (written to disk and "
+                    "printed); use a non-secret value")
+            for path, value in paths.field_values(recipe)
+            if value and secrets.redact_text(value, hidden) != value]
+
+
+def _redacted(problems: list[Problem], hidden: frozenset[str]) -> list[Problem]:
+    return [Problem(p.location, p.path, secrets.redact_text(p.message, hidden), p.severity) for p in problems]
 
 
 def _display_names(typed: Path) -> Callable[[Location], Location]:

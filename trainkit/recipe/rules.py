@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+from . import paths
 from .schema import Recipe
 
 Finding = tuple[tuple, str]
@@ -149,3 +150,11 @@ def monitor_ranks_exist(r: Recipe) -> Iterator[Finding]:
         for rank in getattr(m, "ranks", []) or []:
             if ws is not None and rank >= ws:
                 yield ("monitors", i, "ranks"), f"rank {rank} does not exist: world size is {ws}"
+
+
+@rule
+def path_components_stay_inside_the_run_dir(r: Recipe) -> Iterator[Finding]:
+    for path, value in paths.field_values(r):
+        why = paths.problem(value)
+        if why:
+            yield path, why + " (the run must write only inside its run directory)"

@@ -1,19 +1,31 @@
-"""Build the model a recipe names: `torchvision.<name>`, `pkg.module:factory`, or a plugin."""
+"""Build the model a recipe names: `torchvision.<name>`, `pkg.module:factory`, or a plugin.
+
+Only model factories can be named. An import path must resolve to a `torch.nn.Module` subclass or a
+function marked `@trainkit.model_factory` (entry-point models and torchvision's registered builders
+count as registered); anything else (`subprocess:call`, a lambda, a plain class) is refused before it
+is called. Importing the module still runs its import-time code: see docs/security.md.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .. import registry
+from ..recipe import imports
 from ..recipe.blocks import ModelSpec
 
 
-def factory(name: str):
-    """The callable behind a model name (raises ImportError/KeyError/PluginError with context)."""
-    if name.startswith("torchvision."):
+class NotAModelFactory(TypeError):
+    """An import-path model names something that is not a model factory (so it is never called)."""
+
+
+def factory(name: str) -> Callable[..., Any]:
+    """The callable behind a model name (raises ImportError/KeyError/PluginError/NotAModelFactory)."""
+    if name.startswith("torchvision.") and ":" not in name:
         import torchvision
 
         short = name.split(".", 1)[1]
@@ -21,8 +33,37 @@ def factory(name: str):
             raise KeyError(f"torchvision has no classification model '{short}'")
         return lambda **kw: torchvision.models.get_model(short, weights=None, **kw)
     if ":" in name:
-        return registry.import_path(name)
+        why = imports.refusal(name)
+        if why:
+            raise NotAModelFactory(why)
+        obj = registry.import_path(name)
+        check_model_factory(name, obj)
+        return obj
     return registry.load("models", name)
+
+
+def check_model_factory(name: str, obj: Any) -> None:
+    """Raise NotAModelFactory unless `obj` is a Module subclass or a registered/marked factory."""
+    if isinstance(obj, type):
+        if issubclass(obj, nn.Module):
+            return
+        raise NotAModelFactory(f"'{name}' is the class {obj.__module__}.{obj.__qualname__}, which is not a "
+                               f"torch.nn.Module subclass, so not a model factory")
+    if registry.is_marked_factory(obj) or _torchvision_builder(obj):
+        return
+    what = "a lambda" if getattr(obj, "__name__", "") == "<lambda>" else f"a {type(obj).__name__}"
+    raise NotAModelFactory(f"'{name}' is {what}, not a model factory: an import path must name a "
+                           f"torch.nn.Module subclass or a function marked @trainkit.model_factory")
+
+
+def _torchvision_builder(obj: Any) -> bool:
+    """torchvision's model builders are registered in its own model registry."""
+    if not str(getattr(obj, "__module__", "")).startswith("torchvision."):
+        return False
+    import torchvision
+
+    models = torchvision.models
+    return any(models.get_model_builder(n) is obj for n in models.list_models())
 
 
 def build_model(spec: ModelSpec) -> nn.Module:

@@ -78,12 +78,18 @@ def _batch_fits(r) -> Iterator[Finding]:
 
 
 # --------------------------------------------------------------------------- model
+def model_problems(resolved) -> list[Problem]:
+    """The factory rule alone (`trainkit doctor` applies it before building anything)."""
+    return [Problem(resolved.locate(path), ".".join(map(str, path)), message, severity)
+            for path, message, severity in _model(resolved.recipe)]
+
+
 def _model(r) -> Iterator[Finding]:
-    from .model import factory
+    from .model import NotAModelFactory, factory
 
     spec = r.model
     name = spec.name
-    if name.startswith("torchvision."):
+    if name.startswith("torchvision.") and ":" not in name:
         import torchvision
 
         known = torchvision.models.list_models(module=torchvision.models)
@@ -95,9 +101,9 @@ def _model(r) -> Iterator[Finding]:
     else:
         try:
             factory(name)
-        except registry.PluginError as exc:
+        except (registry.PluginError, NotAModelFactory) as exc:
             yield ("model", "name"), str(exc), "error"
-        except (ImportError, AttributeError) as exc:
+        except Exception as exc:  # ImportError, AttributeError, or whatever the module raised on import
             yield ("model", "name"), f"cannot import model factory '{name}': {type(exc).__name__}: {exc}", "error"
     if spec.weights and not Path(spec.weights).expanduser().is_file():
         yield ("model", "weights"), f"weights file not found: {spec.weights} (weights are never downloaded; " \

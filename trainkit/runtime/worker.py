@@ -1,7 +1,9 @@
 """One training process: `python -m trainkit.runtime.worker RUN_DIR` (started by torchrun, or
 called in-process by the launcher when the world size is 1).
 
-Reads RUN_DIR/recipe.yaml (the fully resolved recipe the launcher wrote), joins the process group,
+Reads RUN_DIR/recipe.yaml (the composed recipe the launcher wrote, resolving its `${oc.env:...}`
+references from the environment this process inherited: secrets never pass through a file), joins
+the process group,
 builds every component from the recipe, runs the loop, and always leaves the group cleanly.
 
 This module is the composition root of one rank: it builds every collaborator and hands them to
@@ -137,7 +139,8 @@ def apply_accepted_changes(saved: Optional[dict], now: dict, recipe: Recipe, opt
 
 
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
-    """Build the components from the recipe and run the loop; returns the summary (rank 0 meaningful)."""
+    """Build the components from the recipe and run the loop; returns the summary (rank 0 meaningful).
+    `recipe_data` is the resolved recipe with secrets redacted: what checkpoints record for drift checks."""
     rank = dist.get_rank()
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
@@ -281,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     dist.init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
-        summary = train(run_dir, recipe, resolved.data, device)
+        summary = train(run_dir, recipe, resolved.redacted(), device)  # what checkpoints record: no secrets
         if dist.get_rank() == 0:
             console = write_reports(run_dir, recipe, summary)
             report(run_dir, summary)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from . import credentials
 from .delivery import client_for, default_uri
 
 SUMMARY_METRICS = ("loss", "eval_loss", "eval_accuracy", "samples_per_s", "step_time_s")
@@ -63,7 +64,7 @@ def _all_experiment_ids(client) -> list[str]:
 
 @_store_errors
 def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit: int = 20) -> str:
-    uri = uri or default_uri()
+    uri = credentials.adopt(uri) if uri else default_uri()
     client = _client(uri)
     if experiment:
         exp = client.get_experiment_by_name(experiment)
@@ -95,7 +96,7 @@ def _find_run(client, ids: list[str], prefix: str):
 @_store_errors
 def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "http://127.0.0.1:5000") -> str:
     """Side by side: params that differ, final and best metrics, throughput, wall time."""
-    uri = uri or default_uri()
+    uri = credentials.adopt(uri) if uri else default_uri()
     client = _client(uri)
     ids = _all_experiment_ids(client)
     runs = [_find_run(client, ids, ref) for ref in run_refs]
@@ -120,8 +121,16 @@ def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "h
     return _table(rows) + note + f"\n\nMLflow UI (start it with `trainkit ui`): {link.replace(chr(39), chr(34))}"
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def ui(uri: Optional[str] = None, host: str = "127.0.0.1", port: int = 5000) -> int:
-    uri = uri or default_uri()
+    """The MLflow UI, on loopback unless `host` says otherwise (it has no authentication)."""
+    uri = credentials.adopt(uri) if uri else default_uri()
+    if host not in LOOPBACK_HOSTS:
+        print(f"trainkit: warning: the MLflow UI has no authentication: binding {host} lets anyone who can "
+              f"reach this machine on port {port} read every run and artifact (default: 127.0.0.1)",
+              file=sys.stderr, flush=True)
     print(f"MLflow UI for {uri}: http://{host}:{port}  (Ctrl-C to stop)", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
     try:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..recipe.secrets import mask_uri_credentials
+from . import credentials
 from .spool import Spool
 
 # Fail fast instead of MLflow's default minutes of retries: the spool keeps what fails.
@@ -24,8 +26,9 @@ MAX_METRICS, MAX_PARAMS_TAGS = 1000, 100
 
 
 def default_uri() -> str:
-    """MLFLOW_TRACKING_URI, else the embedded SQLite store in the current folder (MLflow's default)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """MLFLOW_TRACKING_URI (credentials moved to the environment), else the embedded SQLite store in
+    the current folder (MLflow's default)."""
+    return credentials.from_environment() or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def artifact_root_for(uri: str) -> Optional[str]:
@@ -71,10 +74,12 @@ def deliver(run_dir: Path) -> tuple[int, Optional[str]]:
         if not records:
             return 0, None
         uri = state.get("uri") or next((r["uri"] for r in spool.records() if r["op"] == "create"), default_uri())
+        credentials.from_environment()  # `trainkit sync` in a new shell: MLFLOW_TRACKING_URI's credentials
+        uri = credentials.adopt(uri)  # a spool written before credentials were split off
         try:
             client = client_for(uri)
         except Exception as exc:  # pragma: no cover - bad URI scheme
-            return len(records), f"{type(exc).__name__}: {exc}"
+            return len(records), mask_uri_credentials(f"{type(exc).__name__}: {exc}")
         i = 0
         while i < len(records):
             n = _chunk_length(records, i)
@@ -83,7 +88,8 @@ def deliver(run_dir: Path) -> tuple[int, Optional[str]]:
             except Exception as exc:
                 state["uncertain"] = True
                 spool.save_state(state)
-                return len(records) - i, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                return len(records) - i, mask_uri_credentials(
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             state["delivered"] = state.get("delivered", 0) + n
             state["offset"] = ends[i + n - 1]
             state["uncertain"] = False

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import __version__
+from . import credentials
 from .delivery import default_uri, deliver
 from .spool import Spool
 
@@ -87,18 +88,19 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
     if not recipe.tracking.enabled:
         return None
     spool = Spool(run_dir)
-    uri = recipe.tracking.uri or default_uri()
-    create = [{"op": "create", "uri": uri, "experiment": recipe.tracking.experiment, "key": uuid.uuid4().hex,
-               "run_name": recipe.tracking.run_name or recipe.name, "ts": _now_ms(),
+    uri = credentials.adopt(recipe.tracking.uri) if recipe.tracking.uri else default_uri()
+    experiment = resolved.redact_text(recipe.tracking.experiment)
+    create = [{"op": "create", "uri": uri, "experiment": experiment, "key": uuid.uuid4().hex,
+               "run_name": resolved.redact_text(recipe.tracking.run_name or recipe.name), "ts": _now_ms(),
                "tags": run_tags(recipe, environment)},
-              {"op": "params", "params": flatten(resolved.data)}]
+              {"op": "params", "params": flatten(resolved.redacted())}]
     first = spool.append_unless_created(create)
     if not first:  # a later launch (resume: auto) or another node's launcher: the same run continues
         spool.append([{"op": "status", "status": "RUNNING", "ts": _now_ms()},
                       {"op": "tags", "tags": {"trainkit.last_launch": launch_dir.name}}])
     pending, error = deliver(run_dir)  # creates the store and the run now, before any worker runs
     state = spool.state()
-    where = f"MLflow {state.get('uri', uri)}, experiment '{recipe.tracking.experiment}'"
+    where = f"MLflow {state.get('uri', uri)}, experiment '{experiment}'"
     if state.get("run_id"):
         where += f", run {state['run_id']}" + ("" if first else " (continued)")
     if error:
@@ -125,7 +127,8 @@ def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
     if not spool.records():
         return ""
     records = [{"op": "artifact", "path": str(p), "dir": d} for p, d in (
-        (run_dir / "recipe.yaml", None), (launch_dir / "command.txt", f"launches/{launch_dir.name}"),
+        (run_dir / "recipe.yaml", None), (run_dir / "recipe.resolved.yaml", None),
+        (launch_dir / "command.txt", f"launches/{launch_dir.name}"),
         (launch_dir / "environment.json", f"launches/{launch_dir.name}"), (run_dir / "summary.json", None),
         (launch_dir / "failure.txt", f"launches/{launch_dir.name}"), (run_dir / "reports", "reports"),
         (run_dir / "profiler", "profiler"),
