@@ -14,6 +14,7 @@ moves the loss by 1e-3 or more within a couple of steps.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -49,10 +50,12 @@ def single_process_losses(tmp: Path) -> list[float]:
 
 def resume_from_step_10(tmp: Path, run_dir: Path, recipe_path: Path, **env: str) -> list[float]:
     """Drop the step-20 checkpoint of a finished run and launch it again: it resumes from step 10.
-    Returns the losses of the relaunch (steps 11..20)."""
-    before = len(losses(run_dir))
+    Returns the losses of the relaunch (steps 11..20); metrics.jsonl then holds each step once (the
+    first launch's steps 11..20 are set aside in metrics.rewound-*.jsonl)."""
     shutil.rmtree(run_dir / "checkpoints" / f"step-{STEPS:08d}")
     result = trainkit(tmp, "run", str(recipe_path), **env)
     assert result.returncode == 0, result.output[-6000:]
     assert "resumed from" in result.stdout and "step-00000010" in result.stdout, result.stdout
-    return losses(run_dir)[before:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in rows if r["step"] > 10]

@@ -124,14 +124,17 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
 
 # --------------------------------------------------------------------------- launch
 def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_changes: bool = False) -> int:
-    """Take the run directory, validate runtime inputs, create this launch's record, train.
-    Returns the process exit code."""
+    """Validate runtime inputs, take the run directory, create this launch's record, train.
+    Returns the process exit code. Nothing is written before the checks pass."""
+    code = _check_before_launch(resolved, recipe_path)
+    if code:
+        return code
     recipe = resolved.recipe
     la = recipe.launch
     lock = LaunchLock(run_dir_for(recipe), job_identity(la.nnodes, la.rdzv_id or recipe.name, la.rdzv_endpoint),
                       single_node=str(la.nnodes) in ("1", "1:1"))
     try:
-        got = lock.acquire()  # before anything is written into the run directory
+        got = lock.acquire()  # the first write into the run directory
     except LockHeld as held:
         print(f"trainkit: not started: {lock.folder} is in use by another launch: {describe(held.holder)} "
               f"(lock: {held.path}).\n  Wait for it to finish, stop it (kill {held.holder.get('pid')} on "
@@ -149,7 +152,8 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
         lock.release()
 
 
-def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes: bool) -> int:
+def _check_before_launch(resolved, recipe_path: str) -> int:
+    """The runtime checks and the quick environment checks; 2 if the run cannot start. Writes nothing."""
     problems = resolved.redact_problems(preflight.check(resolved))
     errors = [p for p in problems if p.severity == "error"]
     if problems:
@@ -162,6 +166,10 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
         print(f"trainkit: not started: {failed} environment check(s) failed (all checks: trainkit doctor "
               f"{recipe_path})", file=sys.stderr)
         return 2
+    return 0
+
+
+def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes: bool) -> int:
     recipe = resolved.recipe
     from . import resume_check  # torch (checkpoint files): imported where the work is
 
