@@ -31,9 +31,30 @@ def test_corrupt_or_partial_newest_checkpoints_are_skipped_with_a_warning(tmp_pa
     assert f"skipping checkpoint {ckpts / 'step-00000012'}: incomplete" in again.stderr
     assert f"skipping checkpoint {ckpts / 'step-00000008'}: model.pt is corrupt" in again.stderr
     assert f"resumed from {ckpts / 'step-00000004'}" in again.stdout
+    assert "resuming from step-00000004: the newer checkpoint(s) step-00000012, step-00000008 cannot be used" \
+        in again.stderr  # announced as what it is: a rewind forced by broken checkpoints
+    steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))  # the redone steps replaced the first launch's lines
     # mid-epoch resume continues the same data order and RNG: the redone steps match bit for bit
     redone = torch.load(ckpts / "step-00000012" / "model.pt", weights_only=True)
     assert all(torch.equal(redone[k], expected[k]) for k in expected)
+
+
+def test_no_intact_checkpoint_restarts_from_step_0_and_says_so(tmp_path):
+    """Guards the step-0 announcement and the rewind of metrics.jsonl to nothing: every checkpoint of a
+    finished run is unusable, so the relaunch trains from scratch, says why, and logs each step once."""
+    recipe = mlp_recipe(tmp_path, "scratch", launch={"nproc_per_node": 1},
+                        trainer={"max_steps": 4, "log_every": 1, "checkpoint": {"every": 2, "keep": 2}})
+    assert trainkit(tmp_path, "run", str(recipe)).returncode == 0
+    ckpts = tmp_path / "runs" / "scratch" / "checkpoints"
+    for folder in ckpts.iterdir():
+        (folder / "meta.json").unlink()
+    again = trainkit(tmp_path, "run", str(recipe))
+    assert again.returncode == 0, again.output
+    assert "resuming from step 0 (no intact checkpoint): the newer checkpoint(s) step-00000004, step-00000002" \
+        in again.stderr
+    steps = [json.loads(line)["step"] for line in (ckpts.parent / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_resume_auto_continues_a_finished_run_to_a_higher_step_count(tmp_path):

@@ -88,6 +88,12 @@ def test_a_restart_that_rewinds_continues_in_a_new_linked_run_with_one_value_per
         list(range(1, 13))
     aside = list(run_dir.glob("metrics.rewound-*.jsonl"))
     assert len(aside) == 1 and [json.loads(x)["step"] for x in aside[0].read_text().splitlines()] == [5, 6, 7]
+    listed = trainkit(tmp_path, "runs", "--uri", uri)
+    assert listed.returncode == 0, listed.output
+    assert f"continues {old.info.run_id[:8]}" in listed.stdout and old.info.run_id[:12] not in listed.stdout
+    assert "1 superseded attempt(s) hidden" in listed.stdout
+    everything = trainkit(tmp_path, "runs", "--uri", uri, "--all")
+    assert f"superseded by {current.info.run_id[:8]}" in everything.stdout
 
     second = trainkit(tmp_path, "run", str(recipe), "trainer.max_steps=16")
     assert second.returncode == 0, second.output

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
     p.add_argument("--experiment", help="only this experiment")
     p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--all", action="store_true", help="also list attempts superseded by a later run of the job")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("compare", help="side-by-side table of runs: differing params, final/best metrics")
@@ -232,7 +233,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from .tracking.browse import TrackingError, list_runs
 
     try:
-        print(list_runs(args.uri, args.experiment, args.limit))
+        print(list_runs(args.uri, args.experiment, args.limit, include_superseded=args.all))
     except TrackingError as exc:
         print(f"trainkit: {exc.args[0]}", file=sys.stderr)
         return EXIT_FAILED

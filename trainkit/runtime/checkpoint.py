@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from .files import fsync_dir, fsync_save, sha256_file
 
@@ -122,6 +123,30 @@ def newest_valid(ckpt_dir: Path, warn: bool = True) -> Optional[Path]:
         if warn:
             print(f"trainkit: warning: skipping checkpoint {folder}: {why}", file=sys.stderr, flush=True)
     return None
+
+
+def decide_resume(strategy, resume: str, ckpt_dir: Path, restart_count: int) -> Optional[Path]:
+    """Where every rank resumes from, decided ONCE: rank 0 hashes the checkpoints and picks, then
+    broadcasts its choice (or its error), so no two ranks can pick differently and nothing is
+    renamed while another rank is still reading. A skipped corrupt newest checkpoint is announced."""
+    decision: list = [None]
+    if strategy.rank == 0:
+        try:
+            source = resume_source(resume, ckpt_dir, restart_count, warn=True)
+            skipped = [f for f in step_folders(ckpt_dir) if source is None or _step_of(f) > _step_of(source)]
+            if skipped and (restart_count > 0 or resume == "auto"):
+                where = f"from {source.name}" if source is not None else "from step 0 (no intact checkpoint)"
+                print(f"trainkit: resuming {where}: the newer checkpoint(s) {', '.join(f.name for f in skipped)} "
+                      f"cannot be used (see the warning above)", file=sys.stderr, flush=True)
+            decision[0] = ("ok", str(source) if source is not None else None)
+        except Exception as exc:
+            decision[0] = ("error", f"{type(exc).__name__}: {exc}")
+    if strategy.world_size > 1:
+        dist.broadcast_object_list(decision, src=0)
+    kind, value = decision[0]
+    if kind == "error":
+        raise FileNotFoundError(value)
+    return Path(value) if value is not None else None
 
 
 def resume_source(resume: str, ckpt_dir: Path, restart_count: int, warn: bool) -> Optional[Path]:

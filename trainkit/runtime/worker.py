@@ -35,7 +35,7 @@ from ..recipe.launch_plan import FATAL_FILE
 from ..recipe.schema import Recipe
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
-from .checkpoint import Checkpointer, DiskFullError, resume_source, saved_recipe
+from .checkpoint import Checkpointer, DiskFullError, decide_resume, saved_recipe
 from .data import build_datasets, die_with_parent, make_loader
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
@@ -175,7 +175,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
         raise_if_fatal(run_dir)  # a restart would only redo a failure that restarting cannot fix
-    source = resume_source(recipe.trainer.resume, ckpt_dir, restart, warn=rank == 0)
+    source = decide_resume(strategy, recipe.trainer.resume, ckpt_dir, restart)
     state = TrainState()
     if source is not None:
         state = restore_trainer_state(checkpointer.load(source, model, optimizer), scheduler, precision)

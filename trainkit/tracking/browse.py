@@ -62,8 +62,35 @@ def _all_experiment_ids(client) -> list[str]:
     return [e.experiment_id for e in client.search_experiments()]
 
 
+def chain(client, run, known: Optional[dict] = None) -> list[str]:
+    """The earlier attempts a job's run continues (newest first), from `trainkit.previous_run` tags:
+    a rewind or accepted recipe change continues a job in a new run (docs/tracking.md)."""
+    known, out, seen = known or {}, [], {run.info.run_id}
+    previous = run.data.tags.get("trainkit.previous_run")
+    while previous and previous not in seen and len(out) < 50:
+        out.append(previous)
+        seen.add(previous)
+        try:
+            earlier = known.get(previous) or client.get_run(previous)
+        except Exception:  # deleted, or in a store we cannot read: the chain ends here
+            break
+        previous = earlier.data.tags.get("trainkit.previous_run")
+    return out
+
+
+def _attempts(client, run, known: dict) -> str:
+    later = run.data.tags.get("trainkit.superseded_by")
+    if later:
+        return f"superseded by {later[:8]}"
+    earlier = chain(client, run, known)
+    return ("continues " + " <- ".join(r[:8] for r in earlier)) if earlier else "-"
+
+
 @_store_errors
-def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit: int = 20) -> str:
+def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit: int = 20,
+              include_superseded: bool = False) -> str:
+    """The newest runs; a job that continued in a new run shows its current run with the chain of
+    earlier attempts (superseded runs are listed too with `include_superseded`)."""
     uri = credentials.adopt(uri) if uri else default_uri()
     client = _client(uri)
     if experiment:
@@ -74,16 +101,20 @@ def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit
     else:
         ids = _all_experiment_ids(client)
     runs = client.search_runs(ids, max_results=limit, order_by=["attributes.start_time DESC"]) if ids else []
+    known = {r.info.run_id: r for r in runs}
+    hidden = [r for r in runs if "trainkit.superseded_by" in r.data.tags and not include_superseded]
+    runs = [r for r in runs if r not in hidden]
     if not runs:
         return f"no runs in {uri}"
-    rows = [["run id", "name", "status", "started", "wall", "strategy", "final loss", "samples/s"]]
+    rows = [["run id", "name", "status", "started", "wall", "strategy", "final loss", "samples/s", "attempts"]]
     for r in runs:
         m = r.data.metrics
         rows.append([r.info.run_id[:12], r.info.run_name or "", r.info.status, _fmt_time(r.info.start_time),
                      _duration(r), r.data.tags.get("strategy", "-"),
                      f"{m['loss']:.4f}" if "loss" in m else "-",
-                     f"{m['samples_per_s']:.1f}" if "samples_per_s" in m else "-"])
-    return f"{uri}\n" + _table(rows)
+                     f"{m['samples_per_s']:.1f}" if "samples_per_s" in m else "-", _attempts(client, r, known)])
+    note = f"\n({len(hidden)} superseded attempt(s) hidden: --all shows them)" if hidden else ""
+    return f"{uri}\n" + _table(rows) + note
 
 
 def _find_run(client, ids: list[str], prefix: str):
@@ -101,7 +132,8 @@ def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "h
     ids = _all_experiment_ids(client)
     runs = [_find_run(client, ids, ref) for ref in run_refs]
     header = ["", *[f"{r.info.run_name} ({r.info.run_id[:8]})" for r in runs]]
-    rows = [header, ["status", *[r.info.status for r in runs]], ["wall", *[_duration(r) for r in runs]]]
+    rows = [header, ["status", *[r.info.status for r in runs]], ["wall", *[_duration(r) for r in runs]],
+            ["attempts", *[_attempts(client, r, {}) for r in runs]]]
     keys = sorted(set().union(*(r.data.params for r in runs)))
     differing = [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
     for k in differing:
