@@ -6,6 +6,7 @@
   restarts and that resume loses nothing.
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
 - TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step.
+- TRAINKIT_FAULT_RECORD_SAMPLES=DIR: every rank records a hash of each training sample it sees.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def install(*, model, rank: int) -> list:
     if spec and int(_fields(spec).get("rank", -1)) == rank:
         seconds = float(_fields(spec).get("ms", "50")) / 1000
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
-    return hooks + install_nan(model=model, rank=rank)
+    return hooks + install_nan(model=model, rank=rank) + install_sample_recorder(model=model, rank=rank)
 
 
 def install_nan(*, model, rank: int) -> list:
@@ -60,3 +61,23 @@ def install_nan(*, model, rank: int) -> list:
         current[0] = step + 1
 
     return [advance]
+
+
+def install_sample_recorder(*, model, rank: int) -> list:
+    """TRAINKIT_FAULT_RECORD_SAMPLES=DIR: append the sha1 of every training input row this rank sees to
+    DIR/rank<r>.txt, so tests can check which samples a run (and its resume) trained on."""
+    import hashlib
+
+    folder = os.environ.get("TRAINKIT_FAULT_RECORD_SAMPLES")
+    if not folder:
+        return []
+    path = os.path.join(folder, f"rank{rank}.txt")
+
+    def record(module, args):
+        if module.training:
+            with open(path, "a") as fh:
+                for row in args[0]:
+                    fh.write(hashlib.sha1(row.detach().cpu().numpy().tobytes()).hexdigest() + "\n")
+
+    model.register_forward_pre_hook(record)
+    return []

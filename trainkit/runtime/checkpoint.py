@@ -189,6 +189,10 @@ def _folder_bytes(folder: Optional[Path]) -> int:
         return 0
 
 
+class WorldSizeChanged(RuntimeError):
+    """A checkpoint saved by N ranks cannot be loaded by M ranks with this strategy."""
+
+
 # --------------------------------------------------------------------------- save / load
 class Checkpointer:
     """Saves and restores full training state through a Strategy (which owns model/optimizer files)."""
@@ -209,7 +213,8 @@ class Checkpointer:
             s.save_checkpoint(tmp, model, optimizer)
             fsync_save(rng_state(), tmp / f"rng-rank{s.rank:05d}.pt")
             if s.rank == 0:
-                fsync_save(dict(trainer_state, recipe_sha256=self.recipe_sha256, world_size=s.world_size),
+                fsync_save(dict(trainer_state, recipe_sha256=self.recipe_sha256, world_size=s.world_size,
+                                data_parallel_size=s.data_parallel_size),
                            tmp / "trainer.pt")
                 write_recipe(tmp, self.recipe_data)
             s.barrier()
@@ -268,8 +273,13 @@ class Checkpointer:
                     newer.rename(aside)
                     print(f"trainkit: note: {newer} is newer than the resumed checkpoint; moved to {aside}",
                           file=sys.stderr, flush=True)
-        s.load_checkpoint(folder, model, optimizer)
         state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
+        saved_world = state.get("world_size", s.world_size)
+        if saved_world != s.world_size and not type(s).reshards_on_load:
+            raise WorldSizeChanged(f"{folder} was saved by {saved_world} ranks and this launch has {s.world_size}: "
+                                   f"{type(s).__name__} checkpoints cannot be resharded on load; resume with "
+                                   f"{saved_world} ranks, or start a new run (name=...)")
+        s.load_checkpoint(folder, model, optimizer)
         rng = folder / f"rng-rank{s.rank:05d}.pt"
         if rng.is_file():
             set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))

@@ -30,6 +30,9 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of this rank already consumed in `epoch`
+    # samples of `epoch` consumed by all data-parallel ranks together: resuming with another data-parallel
+    # size (elastic nnodes MIN:MAX, or FSDP resharding) starts every rank at the same global sample
+    samples_in_epoch: Optional[int] = None
     samples: int = 0  # global samples trained on
     skipped_images: int = 0  # unreadable images replaced (this rank)
     skipped_steps: int = 0  # optimizer steps discarded for a non-finite value (trainer.on_nonfinite: skip_step)
@@ -76,20 +79,26 @@ class Loop:
     # ------------------------------------------------------------------ data
     def batches(self) -> Iterator:
         """Micro-batches forever, epoch after epoch, starting where `state` says."""
-        sampler = self.train_loader.sampler
+        sampler, dp = self.train_loader.sampler, self.strategy.data_parallel_size
+        per_micro_batch = self.train_loader.batch_size * dp
+        if self.state.samples_in_epoch is None:  # a checkpoint from before this was recorded
+            self.state.samples_in_epoch = self.state.batches_in_epoch * per_micro_batch
         while True:
             sampler.set_epoch(self.state.epoch)
-            sampler.start_at(self.state.batches_in_epoch * self.train_loader.batch_size)
+            # the sampler deals the epoch's permutation out round-robin (rank r gets items r, r+dp, ...), so
+            # skipping samples_in_epoch / dp on every rank skips exactly the samples already trained on
+            sampler.start_at(self.state.samples_in_epoch // dp)
             produced = False
             for batch in self.train_loader:
                 produced = True
                 self.state.batches_in_epoch += 1
+                self.state.samples_in_epoch += per_micro_batch
                 yield batch
             if not produced and self.state.batches_in_epoch == 0:
                 raise RuntimeError("the training data yields no batches (batch_size larger than each rank's share "
                                    "of the dataset with drop_last)")
             self.state.epoch += 1
-            self.state.batches_in_epoch = 0
+            self.state.batches_in_epoch = self.state.samples_in_epoch = 0
 
     def _to_device(self, batch):
         if len(batch) > 2:  # the dataset's unreadable-image flags

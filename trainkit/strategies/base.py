@@ -34,6 +34,9 @@ class Strategy:
     # True when the strategy scales fp16 losses itself (DeepSpeed's fp16 engine): the worker then
     # builds `Precision(..., scaler=False)`, so no torch GradScaler runs beside it.
     owns_loss_scaling: bool = False
+    # A checkpoint saved by N ranks loads on M ranks (replicated state, or DCP-sharded state that DCP
+    # reshards); False where the files are per-rank partitions of a fixed layout.
+    reshards_on_load: bool = True
 
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe

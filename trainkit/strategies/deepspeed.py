@@ -75,6 +75,7 @@ def _import_deepspeed():
 
 
 class DeepSpeedStrategy(Strategy):
+    reshards_on_load = False  # ZeRO partitions are per rank (DeepSpeed's universal checkpoint is not used)
     options: DeepSpeedOptions
     owns_loss_scaling = True  # ds_config's fp16.loss_scale (0: dynamic, else fixed); no torch GradScaler
 

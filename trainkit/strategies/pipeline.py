@@ -132,6 +132,7 @@ class StageModule(nn.Module):
 
 # --------------------------------------------------------------------------- the strategy
 class PipelineStrategy(Strategy):
+    reshards_on_load = False  # stage files follow the stage count, which is the world size
     options: PipelineOptions
 
     @property
