@@ -89,3 +89,44 @@ def losses(run_dir: Path) -> list[float]:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+# --------------------------------------------------------------------------- a real MLflow server
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_mlflow_server(folder: Path, port: int, host: str = "127.0.0.1") -> subprocess.Popen:
+    """`mlflow server` with a SQLite store in `folder`, up (its /health answers) or an AssertionError."""
+    import time
+    import urllib.request
+
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{folder}/server.db", "--default-artifact-root", str(folder / "artifacts"),
+                             "--host", host, "--port", str(port), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2).status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    stop_mlflow_server(proc)
+    raise AssertionError("mlflow server did not start in 90 s")
+
+
+def stop_mlflow_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -11,7 +11,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-import pytest
 
 from run_helpers import env_for, mlp_recipe, trainkit
 

@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from run_helpers import Result, mlp_recipe, trainkit
+from run_helpers import Result, free_port, mlp_recipe, start_mlflow_server, stop_mlflow_server, trainkit
 
 SECRET = "s3cr3t-Value-91c7"  # planted in MY_API_TOKEN
 TORCH_SECRET = "torch-s3cr3t-5d02"  # planted in TORCH_SECRET_TOKEN (environment.json's TORCH_ prefix)
@@ -261,49 +256,13 @@ def test_ui_binds_loopback_by_default_and_warns_elsewhere(monkeypatch, capsys):
 
 
 # --------------------------------------------------------------------------- one real tracked run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(folder: Path, port: int) -> subprocess.Popen:
-    import urllib.request
-
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                             f"sqlite:///{folder}/server.db", "--default-artifact-root", str(folder / "artifacts"),
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.5)
-    _stop_server(proc)
-    raise AssertionError("mlflow server did not start in 90 s")
-
-
-def _stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def secret_run(tmp_path_factory):
     """validate, validate --deep, plan, doctor and one short run of a recipe that reads MY_API_TOKEN,
     tracked on a real MLflow server whose URI carries a user and password."""
     tmp = tmp_path_factory.mktemp("secrets")
-    port = _free_port()
-    server = _start_server(tmp / "server", port)
+    port = free_port()
+    server = start_mlflow_server(tmp / "server", port)
     try:
         recipe = mlp_recipe(tmp, "secretive", trainer={"max_steps": 3, "log_every": 1, "checkpoint": {"every": 2}},
                             launch={"nproc_per_node": 1, "run_dir": str(tmp / "runs"), "timeout_s": 60},
@@ -316,7 +275,7 @@ def secret_run(tmp_path_factory):
                    for c in ("validate", "validate --deep", "plan", "doctor", "run")}
         yield tmp, port, results
     finally:
-        _stop_server(server)
+        stop_mlflow_server(server)
 
 
 def _files(folder: Path) -> list[Path]:

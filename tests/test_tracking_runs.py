@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import sqlite3
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from run_helpers import env_for, mlp_recipe, trainkit
+from run_helpers import env_for, free_port, mlp_recipe, start_mlflow_server, stop_mlflow_server, trainkit
 
 pytestmark = pytest.mark.distributed
 
@@ -136,49 +135,13 @@ def test_sigterm_marks_the_run_killed(tmp_path):
 
 
 # --------------------------------------------------------------------------- a real server, stopped mid-run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(folder: Path, port: int) -> subprocess.Popen:
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                             f"sqlite:///{folder}/server.db", "--default-artifact-root", str(folder / "artifacts"),
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    import urllib.request
-
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.5)
-    _stop_server(proc)
-    raise AssertionError("mlflow server did not start in 90 s")
-
-
-def _stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.mark.parametrize("outage", ["mid-run", "at-start"])
 def test_every_point_arrives_exactly_once_in_order_across_a_server_outage(tmp_path, outage):
     from trainkit.tracking.spool import Spool
 
-    port = _free_port()
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    server = _start_server(tmp_path, port) if outage == "mid-run" else None
+    server = start_mlflow_server(tmp_path, port) if outage == "mid-run" else None
     recipe = tracked(tmp_path, "outage", uri, data={"sleep_ms": 15.0},
                      trainer={"max_steps": 160, "log_every": 1, "checkpoint": {"every": 80, "keep": 2}})
     proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
@@ -192,14 +155,14 @@ def test_every_point_arrives_exactly_once_in_order_across_a_server_outage(tmp_pa
             assert time.monotonic() < deadline and proc.poll() is None, "training never started"
             time.sleep(0.2)
         if server is not None:
-            _stop_server(server)  # the server goes away mid-run ...
+            stop_mlflow_server(server)  # the server goes away mid-run ...
             server = None
         down_at = metrics.read_text().count("\n")
         time.sleep(6)
         assert proc.poll() is None, "training must go on while the server is down"
         assert metrics.read_text().count("\n") > down_at
         assert Spool(run_dir).pending_count() > 0  # kept locally meanwhile
-        server = _start_server(tmp_path, port)  # ... and comes back (same store, same port)
+        server = start_mlflow_server(tmp_path, port)  # ... and comes back (same store, same port)
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out
         client, run = only_run(uri)
@@ -210,4 +173,4 @@ def test_every_point_arrives_exactly_once_in_order_across_a_server_outage(tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         if server is not None:
-            _stop_server(server)
+            stop_mlflow_server(server)

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from .flat import flatten
+
 SAFE_KEYS = (
     "data.num_workers", "data.prefetch_factor", "data.pin_memory", "data.persistent_workers",
     "strategy.bucket_cap_mb", "strategy.static_graph", "strategy.gradient_as_bucket_view",
@@ -45,20 +47,6 @@ def _show(value: Any) -> str:
 
 
 _MISSING = object()
-
-
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested recipe data -> {dotted key: leaf value}; lists of blocks by index (`monitors.0.name`)."""
-    out: dict[str, Any] = {}
-    if isinstance(data, dict) and data:
-        for k, v in data.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(data, list) and data and any(isinstance(v, (dict, list)) for v in data):
-        for i, v in enumerate(data):
-            out.update(flatten(v, f"{prefix}.{i}"))
-    else:
-        out[prefix] = data
-    return out
 
 
 def changes(saved: dict, now: dict) -> list[Change]:

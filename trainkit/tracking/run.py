@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import __version__
+from ..recipe import flat
 from . import credentials
 from .delivery import default_uri, deliver
 from .spool import Spool
@@ -33,22 +34,17 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def flatten(data: Any, prefix: str = "") -> dict[str, str]:
-    """Resolved recipe -> stable dotted keys (`trainer.checkpoint.every`, `monitors.0.name`)."""
-    out: dict[str, str] = {}
-    if isinstance(data, dict) and data:
-        for k, v in data.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(data, list) and data and any(isinstance(v, (dict, list)) for v in data):
-        for i, v in enumerate(data):
-            out.update(flatten(v, f"{prefix}.{i}"))
-    else:
-        text = json.dumps(data) if isinstance(data, (list, dict)) else str(data)
-        if len(text) > MAX_PARAM:  # kept, visibly cut; the whole recipe is an artifact
-            suffix = " ...[truncated: see recipe.yaml artifact]"
-            text = text[: MAX_PARAM - len(suffix)] + suffix
-        out[prefix] = text
-    return out
+def flatten(data: Any) -> dict[str, str]:
+    """Resolved recipe -> MLflow params under stable dotted keys (`trainer.checkpoint.every`)."""
+    return {key: _param_text(value) for key, value in flat.flatten(data).items()}
+
+
+def _param_text(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    if len(text) > MAX_PARAM:  # kept, visibly cut; the whole recipe is an artifact
+        suffix = " ...[truncated: see recipe.yaml artifact]"
+        text = text[: MAX_PARAM - len(suffix)] + suffix
+    return text
 
 
 def _git_commit(folder: str) -> Optional[str]:
