@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 from pydantic import BaseModel, ValidationError
 
 from .. import registry
-from .problems import Location, Problem, RecipeError, did_you_mean, short
+from .problems import COMMAND_LINE, Location, Problem, RecipeError, did_you_mean, short
 from .schema import PLUGIN_FIELDS, Recipe, recipe_model
 from .yaml_source import KEY, Path_, dotted, load_yaml
 from . import aliases, imports, paths, rules, secrets
@@ -43,6 +43,11 @@ class Resolved:
     def locate(self, path: Path_) -> Location:
         return locate(self.positions, path, self.files[0])
 
+    def origin(self, path: Path_) -> str:
+        """'' unless the value at `path` was produced by `${...}` interpolation; then a sentence saying
+        which, and which environment variables to set (for messages about the final value)."""
+        return interpolation_origin(self.raw, path)
+
     def redacted(self) -> dict[str, Any]:
         """The resolved data as it may be printed or stored (secrets and URI credentials masked)."""
         return secrets.redact(self.data, self.secrets)
@@ -64,6 +69,28 @@ def locate(positions: Positions, path: Path_, default_file: str, key: bool = Fal
             return positions[path]
         path = path[:-1]
     return positions.get((), Location(default_file))
+
+
+_ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([^}]*))?\}")
+
+
+def interpolation_origin(raw: dict, path: Path_) -> str:
+    """'' unless the raw (uninterpolated) value at `path` is an interpolation: then where it came from."""
+    parent, present = _lookup(raw, tuple(path))
+    expr = parent[path[-1]] if present else None
+    if not isinstance(expr, str) or "${" not in expr:
+        return ""
+    env = []
+    for var, default in _ENV_REF.findall(expr):
+        if var in os.environ:
+            env.append(f"{var} is set")
+        else:
+            env.append(f"{var} is not set, so its default {default.strip()!r} was used" if default
+                       else f"{var} is not set")
+    vars_ = sorted(set(_ENV_REF.findall(expr)), key=lambda v: v[0])
+    fix = f"set {' / '.join(v for v, _ in vars_)}, or change {dotted(tuple(path))}" if vars_ else \
+        f"change {dotted(tuple(path))} or what it refers to"
+    return f"the value came from {expr}" + (f" ({'; '.join(env)})" if env else "") + f": {fix}"
 
 
 # ----------------------------------------------------------------------------- composition
@@ -162,7 +189,7 @@ def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str],
     added: list[_Added] = []
     deleted: dict[Path_, Location] = {}
     for text in overrides:
-        where = Location("<command line>", override=text)
+        where = Location(COMMAND_LINE, override=text)
         op = text[0] if text[:1] in ("~", "+") else ""
         key, sep, _ = text[len(op):].partition("=")
         key = key.strip()
@@ -479,7 +506,9 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
             p = _clean_loc(err["loc"], data)
             if any(p[: len(b)] == b for b in bad):
                 continue  # already reported as an unknown plugin name
-            problems.append(_pydantic_problem(err, model, data, positions, file, deleted))
+            found = _pydantic_problem(err, model, data, positions, file, deleted)
+            origin = interpolation_origin(raw, p) if err["type"] not in ("missing", "extra_forbidden") else ""
+            problems.append(Problem(found.location, found.path, f"{found.message}; {origin}") if origin else found)
     if recipe is not None and not problems:
         for rule_path, message in rules.check(recipe):
             problems.append(Problem(locate(positions, rule_path, file), dotted(rule_path), message))
