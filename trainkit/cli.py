@@ -474,7 +474,7 @@ def _ask(question: str, default: str) -> str:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from .completion import script
+    from .recipe.completion import script
 
     print(script(args.shell), end="")
     return EXIT_OK
@@ -484,7 +484,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["__complete"]:  # called by the shell completion scripts (`trainkit completion`)
-        from .completion import complete_from_env
+        from .recipe.completion import complete_from_env
 
         return _quiet_on_broken_pipe(lambda: complete_from_env(build_parser()))
     parser = build_parser()

@@ -183,7 +183,7 @@ def override_candidates(word: str) -> list[str]:
 
 def schema_fields() -> dict[str, list[str]]:
     """Every settable dotted key of the schema (every installed plugin's options) -> its known values."""
-    from .recipe.schema import full_recipe_model
+    from .schema import full_recipe_model
 
     return dict(_walk(full_recipe_model(), ""))
 
