@@ -23,7 +23,6 @@ def _positive(text: str) -> int:
 OVERRIDES_HELP = ("override recipe values: key=value (any key the schema defines, e.g. trainer.max_steps=20), "
                   "+key=value (add a key under a free-form mapping such as model.args), ~key (delete a key, "
                   "e.g. one inherited from defaults:)")
-RECIPE_COMMANDS = ("validate", "plan", "run", "doctor")  # the commands that take recipes and overrides
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
