@@ -60,8 +60,8 @@ def test_overrides_apply_and_errors_name_the_override(tmp_path):
                                        "did you mean 'max_steps'?")
     with pytest.raises(RecipeError) as err:
         resolve(recipe, ["trainer.max_steps"])
-    assert messages(err) == ["override 'trainer.max_steps': overrides are written key.path=value, "
-                             "e.g. trainer.max_steps=20"]
+    assert messages(err) == ["override 'trainer.max_steps': overrides are written key.path=value, +key.path=value "
+                             "(a new key under a free-form mapping) or ~key.path (delete), e.g. trainer.max_steps=20"]
 
 
 def test_switching_strategy_by_override_drops_the_old_strategys_options(tmp_path):

@@ -20,21 +20,73 @@ def _positive(text: str) -> int:
     return value
 
 
+OVERRIDES_HELP = ("override recipe values: key=value (any key the schema defines, e.g. trainer.max_steps=20), "
+                  "+key=value (add a key under a free-form mapping such as model.args), ~key (delete a key, "
+                  "e.g. one inherited from defaults:)")
+
+
 def _add_overrides(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="override recipe values, e.g. trainer.max_steps=20 strategy.name=fsdp")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+
+
+def _command(sub, name: str, summary: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """A sub-command with a one-line summary (in `trainkit --help`), a description and examples."""
+    return sub.add_parser(name, help=summary, description=description,
+                          epilog="examples:\n" + "\n".join("  " + line for line in examples.strip().splitlines()),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainkit",
         description="One YAML recipe -> a correct, fast, observable distributed PyTorch training run.",
+        epilog="examples:\n  trainkit init my-run.yaml\n  trainkit validate recipes/\n"
+               "  trainkit plan recipes/ddp-mlp.yaml trainer.max_steps=20\n  trainkit run recipes/ddp-mlp.yaml\n"
+               "  trainkit COMMAND --help      (each command's options and examples)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("validate", help="check recipes (fast: no torch import; --deep for runtime checks)")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="recipe files, folders or globs")
+    p = _command(sub, "init", "write a new recipe from a few questions (or flags, for scripts)",
+                 "Ask for the model, the data, GPUs per node, nodes, strategy, precision and tracking server "
+                 "(each question has a default: press Enter), then write a commented recipe that validates. "
+                 "Every answer can be given as a flag; --yes takes the defaults for the rest and asks nothing.",
+                 """
+trainkit init my-run.yaml
+trainkit init my-run.yaml --yes --data synthetic --model mlp --gpus-per-node 2
+trainkit init imagenet.yaml --yes --data /data/imagenet/train --model torchvision.resnet50 --gpus-per-node 8 \\
+    --strategy fsdp --precision bf16 --tracking-uri http://mlflow:5000""")
+    p.add_argument("out", metavar="OUT.yaml", help="the recipe file to write")
+    p.add_argument("--name", help="run name (default: the file name)")
+    p.add_argument("--model", help="mlp, small_cnn, torchvision.<name> or package.module:factory")
+    p.add_argument("--data", help="'synthetic', or a folder: ImageFolder layout (ROOT/<class>/<image>) or one "
+                                  "holding cifar-10-batches-py")
+    p.add_argument("--batch-size", type=_positive, help="samples per device per step (default 32)")
+    p.add_argument("--gpus-per-node", type=_positive, help="worker processes per node, one per GPU (1 on a CPU)")
+    p.add_argument("--nodes", type=_positive, help="machines (default 1)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous endpoint, with several nodes")
+    p.add_argument("--strategy", help="ddp, fsdp, deepspeed or pipeline")
+    p.add_argument("--precision", help="fp32, bf16 or fp16")
+    p.add_argument("--tracking-uri", help="MLflow server URI; '' for the local store, 'off' for no tracking")
+    p.add_argument("--max-steps", type=_positive, help="optimizer steps (default 1000)")
+    p.add_argument("-y", "--yes", action="store_true", help="ask nothing: defaults for every answer not given")
+    p.add_argument("--force", action="store_true", help="overwrite OUT.yaml if it exists")
+    p.set_defaults(func=cmd_init)
+
+    p = _command(sub, "validate", "check recipes (fast: no torch import; --deep for runtime checks)",
+                 "Check recipe files, folders (recursive; base/ and _*.yaml fragments skipped) or globs: schema, "
+                 "cross-field rules and plugin names, every problem as file:line:col. Overrides (key=value, "
+                 "+key=value, ~key) may be mixed with the paths: they apply to each recipe. Exit 0 only if every "
+                 "recipe is valid, 2 otherwise.",
+                 """
+trainkit validate recipes/
+trainkit validate recipes/fsdp-mlp.yaml strategy.reshard_after_forward=false
+trainkit validate recipes/ precision=bf16             # each recipe, with the override
+trainkit validate --format github recipes/            # annotations in GitHub Actions
+trainkit validate --deep recipes/resnet152.yaml       # also data paths, model, devices""")
+    p.add_argument("paths", nargs="+", metavar="PATH|key=value",
+                   help="recipe files, folders or globs, and overrides applied to each (" + OVERRIDES_HELP + ")")
     p.add_argument("--format", choices=["text", "json", "github"], default="text",
                    help="text for people, json for tools, github for Actions annotations")
     p.add_argument("--deep", action="store_true",
@@ -42,17 +94,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "exists and is a model factory, data paths, devices, DeepSpeed config")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("schema", help="print the recipe JSON Schema (for editor autocompletion)")
+    p = _command(sub, "schema", "print the recipe JSON Schema (for editor autocompletion)",
+                 "Print the JSON Schema of recipes, with every installed plugin's options (for editors: see "
+                 "docs/validation-in-ci.md), or with --markdown the recipe reference (docs/reference.md).",
+                 """
+trainkit schema > .vscode/trainkit.schema.json
+trainkit schema --markdown > docs/reference.md
+trainkit schema --markdown --all | less""")
     p.add_argument("--markdown", action="store_true", help="print the recipe reference (docs/reference.md) instead")
     p.add_argument("--all", action="store_true", help="with --markdown: include installed third-party plugins")
     p.set_defaults(func=cmd_schema)
 
-    p = sub.add_parser("plan", help="print the resolved recipe, what it implies, and the torchrun command")
+    p = _command(sub, "plan", "print the resolved recipe, what it implies, and the launch command",
+                 "Resolve and check a recipe (including the checks --deep runs), then print the resolved recipe, "
+                 "world size, global batch, steps per epoch, strategy details and what `trainkit run` will "
+                 "start: the torchrun command, or the in-process worker for world size 1. Starts nothing.",
+                 """
+trainkit plan recipes/resnet152.yaml
+trainkit plan recipes/ddp-mlp.yaml launch.nproc_per_node=4 trainer.max_steps=20
+trainkit plan recipes/resnet152.yaml ~data.prefetch_factor""")
     p.add_argument("recipe", metavar="RECIPE")
     _add_overrides(p)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("run", help="validate, then train under torchrun")
+    p = _command(sub, "run", "validate, then train under torchrun",
+                 "Validate the recipe, run the preflight checks, then train: under torchrun for several processes, "
+                 "in this process for one. The run directory is launch.run_dir/NAME; with trainer.resume: auto a "
+                 "second `trainkit run` of the same recipe continues from its last checkpoint.",
+                 """
+trainkit run recipes/demo-cpu.yaml
+trainkit run recipes/ddp-mlp.yaml trainer.max_steps=20 launch.nproc_per_node=2
+trainkit run recipes/resnet152.yaml +model.args.dropout=0.1 ~trainer.eval_every
+trainkit run recipes/ddp-mlp.yaml trainer.max_steps=200 --accept-changes   # resume with changed keys""")
     p.add_argument("recipe", metavar="RECIPE")
     p.add_argument("--accept-changes", action="store_true",
                    help="resume even though the recipe changed in keys that alter training (they take effect; "
@@ -60,48 +133,99 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("doctor", help="can this machine run it? versions, GPUs, ports, /dev/shm, limits, disk, data "
-                       "(exit 1 if any check fails)")
+    p = _command(sub, "doctor", "can this machine run it? versions, GPUs, ports, /dev/shm, limits, disk, data "
+                 "(exit 1 if any check fails)",
+                 "Check this machine, and with a recipe whether it can run that recipe here: versions, GPUs, "
+                 "ports, /dev/shm, limits, disk, data. Exit 0 if nothing failed (warnings allowed), 1 if a check "
+                 "failed, 2 if the recipe is invalid.",
+                 """
+trainkit doctor
+trainkit doctor recipes/resnet152.yaml
+trainkit doctor recipes/ddp-mlp.yaml launch.nproc_per_node=8 --format json""")
     p.add_argument("recipe", nargs="?", metavar="RECIPE", help="without it: machine-level checks only")
     _add_overrides(p)
     p.add_argument("--format", choices=["text", "json"], default="text", help="text for people, json for CI")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("export", help="write a checkpoint's model as one consolidated state_dict file (any strategy)")
+    p = _command(sub, "export", "write a checkpoint's model as one consolidated state_dict file (any strategy)",
+                 "Consolidate a checkpoint written by any strategy (DDP, FSDP, DeepSpeed, pipeline) into one "
+                 "state_dict file that torch.load and model.load_state_dict read.",
+                 """
+trainkit export runs/ddp-mlp/checkpoints/step-00000100 ddp-mlp.pt""")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="e.g. runs/NAME/checkpoints/step-00000100")
     p.add_argument("out", metavar="OUT.pt", help="file for torch.load + model.load_state_dict")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("runs", help="list recent runs in the MLflow store")
+    p = _command(sub, "runs", "list recent runs in the MLflow store",
+                 "List recent runs of the MLflow tracking store: id, name, status, start, key metrics.",
+                 """
+trainkit runs
+trainkit runs --experiment resnet152 --limit 5
+trainkit runs --uri http://mlflow:5000""")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
     p.add_argument("--experiment", help="only this experiment")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--all", action="store_true", help="also list attempts superseded by a later run of the job")
     p.set_defaults(func=cmd_runs)
 
-    p = sub.add_parser("compare", help="side-by-side table of runs: differing params, final/best metrics")
+    p = _command(sub, "compare", "side-by-side table of runs: differing params, final/best metrics",
+                 "Compare runs side by side: the parameters that differ and each metric's final and best value.",
+                 """
+trainkit compare 3f2a 9b1c
+trainkit compare resnet152-ddp resnet152-fsdp --uri http://mlflow:5000""")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run ids (or unique prefixes) or run names")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("ui", help="start the MLflow UI on the tracking store (loopback by default)")
+    p = _command(sub, "ui", "start the MLflow UI on the tracking store (loopback by default)",
+                 "Start the MLflow UI on the tracking store. It binds 127.0.0.1 unless told otherwise: the MLflow "
+                 "UI has no authentication.",
+                 """
+trainkit ui
+trainkit ui --port 5001
+ssh -L 5000:127.0.0.1:5000 gpu-node   # then, on gpu-node: trainkit ui""")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; the MLflow UI has no authentication)")
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(func=cmd_ui)
 
-    p = sub.add_parser("sync", help="deliver a run's spooled tracking records (after a server outage)")
+    p = _command(sub, "sync", "deliver a run's spooled tracking records (after a server outage)",
+                 "Deliver the tracking records a run spooled while its MLflow server was unreachable; a run whose "
+                 "launch died without closing it is closed too (FINISHED if it completed, else KILLED).",
+                 """
+trainkit sync runs/resnet152-ddp""")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.set_defaults(func=cmd_sync)
 
-    p = sub.add_parser("report", help="the bottleneck report of a past run (from RUN_DIR/reports/breakdown.json)")
+    p = _command(sub, "report", "the bottleneck report of a past run (from RUN_DIR/reports/breakdown.json)",
+                 "Print the bottleneck report of a finished run (needs the breakdown monitor): where step time "
+                 "went and what to change.",
+                 """
+trainkit report runs/resnet152-ddp""")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("data", help="data helpers")
+    p = _command(sub, "completion", "print a shell completion script (bash, zsh or fish)",
+                 "Print a completion script for commands, options, recipe paths, and override keys and values "
+                 "from the schema (including installed plugins).",
+                 """
+eval "$(trainkit completion bash)"                          # in ~/.bashrc
+trainkit completion zsh > "${fpath[1]}/_trainkit"           # zsh (then restart it)
+trainkit completion fish > ~/.config/fish/completions/trainkit.fish""")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"])
+    p.set_defaults(func=cmd_completion)
+
+    p = _command(sub, "data", "data helpers",
+                 "Data helpers. make-imagefolder writes a small synthetic ImageFolder of real image files, to try a "
+                 "recipe before the real data is there.",
+                 """
+trainkit data make-imagefolder data/demo-imagefolder --classes 8 --per-class 40 --size 72""")
     data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    m = data_sub.add_parser("make-imagefolder", help="write a small synthetic ImageFolder of real image files")
+    m = _command(data_sub, "make-imagefolder", "write a small synthetic ImageFolder of real image files",
+                 "Write CLASSES folders of PER_CLASS PNG images each (deterministic for a seed) under DIR.",
+                 """
+trainkit data make-imagefolder /tmp/imagenet/train --classes 10 --per-class 50""")
     m.add_argument("root", metavar="DIR")
     m.add_argument("--classes", type=_positive, default=10)
     m.add_argument("--per-class", type=_positive, default=50)
@@ -114,18 +238,26 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- commands
 def cmd_validate(args: argparse.Namespace) -> int:
     from .recipe import RecipeError, resolve
-    from .recipe.discovery import expand_recipe_paths
+    from .recipe.discovery import expand_recipe_paths, split_overrides
     from .recipe.problems import Location, Problem, format_problems
 
-    files, missing = expand_recipe_paths(args.paths)
+    paths, overrides = split_overrides(args.paths)
+    if not paths:
+        print(f"trainkit: validate: no recipe given, only overrides ({' '.join(overrides)}); name recipe files, "
+              "folders or globs too", file=sys.stderr)
+        return EXIT_INVALID
+    files, missing = expand_recipe_paths(paths)
     problems: list[Problem] = [Problem(Location(m), "", "no such file, folder or matching recipe") for m in missing]
     invalid = len(missing)
     for file in files:
         try:
-            resolved = resolve(file)
+            resolved = resolve(file, overrides)
             found = _deep_problems(resolved) if args.deep else []
         except RecipeError as err:
             found = err.problems
+        if len(files) > 1:  # an override's problem is one per recipe: say which
+            found = [Problem(Location(file, override=p.location.override), p.path, p.message, p.severity)
+                     if p.location.override is not None else p for p in found]
         if any(p.severity == "error" for p in found):
             invalid += 1
         problems.extend(found)
@@ -133,7 +265,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if problems:
             print(format_problems(problems), file=sys.stderr)
         total = len(files) + len(missing)
+        each = " applied to each" if total > 1 else ""
         print(f"{total - invalid} of {total} recipe(s) valid"
+              + (f" with the override(s) {' '.join(overrides)}{each}" if overrides else "")
               + ("" if args.deep else " (not checked without --deep, which imports the model's module: model "
                  "exists and is a model factory, data paths, devices, DeepSpeed config)"))
     else:
@@ -317,8 +451,42 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from .recipe.init import InitError, write_recipe
+
+    try:
+        out, summary = write_recipe(args, ask=None if args.yes else _ask)
+    except InitError as exc:
+        print(f"trainkit: init: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(summary)
+    print(f"next: trainkit plan {out}   (then: trainkit run {out})")
+    return EXIT_OK
+
+
+def _ask(question: str, default: str) -> str:
+    """One question on stderr, the answer from stdin; Enter (or end of input) takes the default."""
+    print(f"{question} [{default}]: ", end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        print(file=sys.stderr)
+    return line.strip() or default
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from .recipe.completion import script
+
+    print(script(args.shell), end="")
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------- entry point
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["__complete"]:  # called by the shell completion scripts (`trainkit completion`)
+        from .recipe.completion import complete_from_env
+
+        return _quiet_on_broken_pipe(lambda: complete_from_env(build_parser()))
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -338,7 +506,9 @@ def _run_reporting_errors(func: Callable[[argparse.Namespace], int], args: argpa
     from .registry import PluginError
 
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
     except RecipeError as err:
         print(err, file=sys.stderr)
         print(f"{len(err.problems)} problem(s); nothing was started.", file=sys.stderr)
@@ -349,12 +519,35 @@ def _run_reporting_errors(func: Callable[[argparse.Namespace], int], args: argpa
     except KeyboardInterrupt:
         print("trainkit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `trainkit schema | head`: the reader has gone; stop as Unix tools do
+        return _stdout_gone()
     except OSError as err:  # an unwritable folder, a full disk, a missing file: say which, no traceback
         where = f": {err.filename}" if err.filename else ""
         print(f"trainkit: {err.strerror or err}{where}", file=sys.stderr)
         return EXIT_FAILED
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a Unix tool killed by a closed pipe
+
+
+def _stdout_gone() -> int:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again, noisily."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def _quiet_on_broken_pipe(func: Callable[[], int]) -> int:
+    try:
+        code = func()
+        sys.stdout.flush()
+        return code
     except BrokenPipeError:
-        return EXIT_OK
+        return _stdout_gone()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -37,3 +38,16 @@ def expand_recipe_paths(args: Sequence[str]) -> tuple[list[str], list[str]]:
             missing.append(arg)
         files.extend(f for f in found if f not in files)
     return files, missing
+
+
+_OVERRIDE = re.compile(r"^([~+]?[A-Za-z_][\w\-]*(\.[\w\-]+)*=|~[A-Za-z_])")
+
+
+def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(paths, overrides): `key=value`, `+key=value` and `~key` are overrides unless a file or folder
+    of that name exists, so `trainkit validate r.yaml strategy.zero_stage=2` means what it says."""
+    paths: list[str] = []
+    overrides: list[str] = []
+    for arg in args:
+        (overrides if _OVERRIDE.match(arg) and not Path(arg).exists() else paths).append(arg)
+    return paths, overrides

@@ -34,8 +34,20 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> 
     lines.append(f"precision:       {r.precision}   strategy: {r.strategy.name}")
     lines += _strategy_lines(r)
     lines.append(f"files:           {', '.join(resolved.files)}")
-    lines += ["", "# command (run by `trainkit run`)", shlex.join(torchrun_command(r, "<run dir>"))]
+    lines += ["", *_launch_lines(r)]
     return resolved.redact_text("\n".join(lines))
+
+
+def _launch_lines(r) -> list[str]:
+    """What `trainkit run` starts: one in-process worker for world size 1 (no torchrun, so no
+    restarts), else the torchrun command."""
+    if r.world_size == 1:
+        restarts = (f"; launch.max_restarts {r.launch.max_restarts} does not apply" if r.launch.max_restarts else "")
+        again = " (trainer.resume: auto continues from the last checkpoint)" if r.trainer.resume == "auto" else ""
+        return ["# what `trainkit run` does",
+                "world size 1: the worker runs inside the `trainkit run` process, without torchrun",
+                f"no restarts{restarts}: a failure ends the run; run the same command again to resume{again}"]
+    return ["# command (run by `trainkit run`)", shlex.join(torchrun_command(r, "<run dir>"))]
 
 
 def _strategy_lines(r) -> list[str]:

@@ -12,9 +12,13 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
 
 
+COMMAND_LINE = "<command line>"
+
+
 @dataclass(frozen=True)
 class Location:
-    """A position in a recipe file (1-based line and column) or a command-line override."""
+    """A position in a recipe file (1-based line and column) or a command-line override (with `file`
+    the recipe it was applied to, when one command validated several)."""
 
     file: str
     line: int = 1
@@ -23,7 +27,8 @@ class Location:
 
     def __str__(self) -> str:
         if self.override is not None:
-            return f"override '{self.override}'"
+            on = f"{self.file}: " if self.file != COMMAND_LINE else ""
+            return f"{on}override '{self.override}'"
         return f"{self.file}:{self.line}:{self.col}"
 
 
@@ -76,6 +81,8 @@ def format_problems(problems: Sequence[Problem], fmt: str = "text") -> str:
             msg = f"{p.path}: {p.message}" if p.path else p.message
             if loc.override is None:
                 lines.append(f"::{kind} file={loc.file},line={loc.line},col={loc.col}::{msg}")
+            elif loc.file != COMMAND_LINE:
+                lines.append(f"::{kind} file={loc.file}::override '{loc.override}': {msg}")
             else:
                 lines.append(f"::{kind}::override '{loc.override}': {msg}")
         return "\n".join(lines)

@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional, Sequence
 from pydantic import BaseModel, ValidationError
 
 from .. import registry
-from .problems import Location, Problem, RecipeError, did_you_mean, short
+from .problems import COMMAND_LINE, Location, Problem, RecipeError, did_you_mean, short
 from .schema import PLUGIN_FIELDS, Recipe, recipe_model
 from .yaml_source import KEY, Path_, dotted, load_yaml
-from . import imports, paths, rules, secrets
+from . import aliases, imports, paths, rules, secrets
 
 Positions = dict[Path_, Location]
 
@@ -42,6 +42,11 @@ class Resolved:
 
     def locate(self, path: Path_) -> Location:
         return locate(self.positions, path, self.files[0])
+
+    def origin(self, path: Path_) -> str:
+        """'' unless the value at `path` was produced by `${...}` interpolation; then a sentence saying
+        which, and which environment variables to set (for messages about the final value)."""
+        return interpolation_origin(self.raw, path)
 
     def redacted(self) -> dict[str, Any]:
         """The resolved data as it may be printed or stored (secrets and URI credentials masked)."""
@@ -64,6 +69,28 @@ def locate(positions: Positions, path: Path_, default_file: str, key: bool = Fal
             return positions[path]
         path = path[:-1]
     return positions.get((), Location(default_file))
+
+
+_ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([^}]*))?\}")
+
+
+def interpolation_origin(raw: dict, path: Path_) -> str:
+    """'' unless the raw (uninterpolated) value at `path` is an interpolation: then where it came from."""
+    parent, present = _lookup(raw, tuple(path))
+    expr = parent[path[-1]] if present else None
+    if not isinstance(expr, str) or "${" not in expr:
+        return ""
+    env = []
+    for var, default in _ENV_REF.findall(expr):
+        if var in os.environ:
+            env.append(f"{var} is set")
+        else:
+            env.append(f"{var} is not set, so its default {default.strip()!r} was used" if default
+                       else f"{var} is not set")
+    vars_ = sorted(set(_ENV_REF.findall(expr)), key=lambda v: v[0])
+    fix = f"set {' / '.join(v for v, _ in vars_)}, or change {dotted(tuple(path))}" if vars_ else \
+        f"change {dotted(tuple(path))} or what it refers to"
+    return f"the value came from {expr}" + (f" ({'; '.join(env)})" if env else "") + f": {fix}"
 
 
 # ----------------------------------------------------------------------------- composition
@@ -140,25 +167,105 @@ def _compose(path: Path, chain: list[Path], problems: list[Problem]) -> tuple[di
     return merged, merged_pos, files
 
 
-def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str], problems: list[Problem]) -> dict:
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_][\w\-]*(\.[\w\-]+)*")
+_OVERRIDE_FORMS = "overrides are written key.path=value, +key.path=value (a new key under a free-form mapping) " \
+    "or ~key.path (delete), e.g. trainer.max_steps=20"
+
+
+@dataclass(frozen=True)
+class _Added:
+    """A plain `key=value` override that created a key the recipe did not have (checked against the schema)."""
+
+    path: Path_
+    where: Location
+
+
+def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str],
+                     problems: list[Problem]) -> tuple[dict, list[_Added], dict[Path_, Location]]:
+    """Apply `key=value`, `+key=value` and `~key` in order; returns (data, plain overrides that added a
+    key, deleted paths and the override that deleted each)."""
     from omegaconf import OmegaConf
 
+    added: list[_Added] = []
+    deleted: dict[Path_, Location] = {}
     for text in overrides:
-        where = Location("<command line>", override=text)
-        key, sep, _ = text.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][\w\-]*(\.[\w\-]+)*", key.strip()):
-            problems.append(Problem(where, "", "overrides are written key.path=value, e.g. trainer.max_steps=20"))
+        where = Location(COMMAND_LINE, override=text)
+        op = text[0] if text[:1] in ("~", "+") else ""
+        key, sep, _ = text[len(op):].partition("=")
+        key = key.strip()
+        if not _OVERRIDE_KEY.fullmatch(key) or (op == "~") == bool(sep):
+            hint = "; ~ deletes a key and takes no value: ~" + key if op == "~" and sep else ""
+            problems.append(Problem(where, "", _OVERRIDE_FORMS + hint))
+            continue
+        path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+        parent, present = _lookup(data, path)
+        if op == "~":
+            if not present:
+                problems.append(Problem(where, key, "nothing to delete: the recipe has no such key"))
+                continue
+            del parent[path[-1]]
+            _drop_positions(positions, path)
+            deleted[path] = where
+            continue
+        if op == "+" and present:
+            problems.append(Problem(where, key, f"already set at {locate(positions, path, '')}; write {key}=... "
+                                                "(without '+') to change it"))
             continue
         try:
-            layer = OmegaConf.to_container(OmegaConf.from_dotlist([text]), resolve=False)
+            layer = OmegaConf.to_container(OmegaConf.from_dotlist([text[len(op):]]), resolve=False)
         except Exception as exc:  # OmegaConf grammar errors
             problems.append(Problem(where, key, f"cannot parse override value: {_first_line(exc)}"))
             continue
-        path = tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
+        if not op and not present:
+            added.append(_Added(path, where))
         layer_pos = {path[:i] + end: where for i in range(1, len(path) + 1) for end in ((), (KEY,))}
         data = _merge(data, positions, layer, layer_pos)
         positions.update(layer_pos)
-    return data
+        deleted.pop(path, None)
+    return data, added, deleted
+
+
+def _lookup(data: Any, path: Path_) -> tuple[Any, bool]:
+    """(the container holding path[-1], whether the key is there)."""
+    for part in path[:-1]:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return None, False
+    last = path[-1]
+    if isinstance(data, dict):
+        return data, last in data
+    return data, isinstance(data, list) and isinstance(last, int) and last < len(data)
+
+
+def _free_form_owner(model: type[BaseModel], data: dict, path: Path_) -> Optional[tuple[Path_, str]]:
+    """If `path` lies under a free-form mapping (a `dict[str, Any]` field such as model.args), that
+    field's path and description; else None."""
+    for i in range(1, len(path)):
+        parent = _model_at(model, data, path[: i - 1])
+        info = parent.model_fields.get(str(path[i - 1])) if parent else None
+        if info is None:
+            return None
+        if typing.get_origin(info.annotation) is dict or info.annotation is dict:
+            return path[:i], info.description or ""
+    return None
+
+
+def _check_added_keys(added: list[_Added], model: type[BaseModel], data: dict) -> list[Problem]:
+    """A plain override may add any key the schema defines; under a free-form mapping, where no
+    schema catches a typo, a new key needs '+'."""
+    out = []
+    for item in added:
+        owner = _free_form_owner(model, data, item.path)
+        if owner:
+            where, what = owner
+            text = item.where.override or ""
+            out.append(Problem(item.where, dotted(item.path),
+                               f"{dotted(where)} is a free-form mapping{f' ({what})' if what else ''} and has no key "
+                               f"'{dotted(item.path[len(where):])}'; to add it, write +{text}"))
+    return out
 
 
 def _has_interpolation(value: Any) -> bool:
@@ -237,7 +344,9 @@ def _unknown_plugin(kind: str, name: Any, positions: Positions, path: Path_, fil
     if name is None:
         msg = f"missing 'name': which {what}? one of: {', '.join(known)}"
     else:
-        msg = f"unknown {what} {short(name)}{did_you_mean(name, known)} (registered: {', '.join(known)})"
+        alias = aliases.value_hint(path[-2:] if kind == "strategies" else path, name)
+        hint = f"; {alias}" if alias else did_you_mean(name, known)
+        msg = f"unknown {what} {short(name)}{hint} (registered: {', '.join(known)})"
     return Problem(locate(positions, path, file), dotted(path), msg)
 
 
@@ -316,17 +425,30 @@ def _clean_loc(loc: tuple, data: Any) -> Path_:
     return tuple(out)
 
 
-def _pydantic_problem(err: dict, model: type[Recipe], data: dict, positions: Positions, file: str) -> Problem:
+def _section_fields(model: type[BaseModel], data: dict) -> dict[str, list[str]]:
+    """Accepted keys of each top-level section (for 'max_steps -> trainer.max_steps' hints)."""
+    out = {}
+    for section in aliases.SECTIONS:
+        found = _model_at(model, data, (section,))
+        out[section] = list(found.model_fields) if found else []
+    return out
+
+
+def _pydantic_problem(err: dict, model: type[Recipe], data: dict, positions: Positions, file: str,
+                      deleted: dict[Path_, Location]) -> Problem:
     path = _clean_loc(err["loc"], data)
     kind = err["type"]
-    if kind == "missing":  # point at the mapping that lacks the key
+    if kind == "missing" and path in deleted:  # `~key` removed a required key: name that override
+        where = deleted[path]
+    elif kind == "missing":  # point at the mapping that lacks the key
         where = locate(positions, path[:-1], file, key=True)
     else:
         where = locate(positions, path, file, key=kind == "extra_forbidden")
     if kind == "extra_forbidden":
         parent = _model_at(model, data, path[:-1])
         accepted = [k for k in parent.model_fields] if parent else []
-        msg = f"unknown key '{path[-1]}'{did_you_mean(str(path[-1]), accepted)}"
+        alias = aliases.key_hint(path[:-1], path[-1], _section_fields(model, data))
+        msg = f"unknown key '{path[-1]}'" + (f"; {alias}" if alias else did_you_mean(str(path[-1]), accepted))
         if accepted:
             msg += f" (accepted: {', '.join(accepted)})"
     elif kind == "missing":
@@ -336,7 +458,9 @@ def _pydantic_problem(err: dict, model: type[Recipe], data: dict, positions: Pos
         msg = f"required field missing{desc}"
     elif kind == "literal_error":
         options = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
-        msg = f"got {short(err['input'])}{did_you_mean(str(err['input']), options)}; expected one of: {', '.join(options)}"
+        alias = aliases.value_hint(path, err["input"])
+        hint = f"; {alias}" if alias else did_you_mean(str(err["input"]), options)
+        msg = f"got {short(err['input'])}{hint}; expected one of: {', '.join(options)}"
     elif kind == "string_pattern_mismatch" and path == ("name",):
         msg = f"got {short(err['input'])}; use letters, digits, '.', '_' and '-' (it names run folders and MLflow runs)"
     else:
@@ -358,7 +482,7 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     files = [relabel(Location(f)).file for f in files]
     if problems:  # a broken composition makes every later message noise
         raise RecipeError(problems)
-    data = _apply_overrides(data, positions, overrides, problems)
+    data, added, deleted = _apply_overrides(data, positions, overrides, problems)
     raw = copy.deepcopy(data)
     hidden = secrets.secret_values(raw)
     data = _interpolate(data, positions, file, problems)
@@ -372,6 +496,7 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
         model = recipe_model(chosen["data"], chosen["strategy"], chosen["monitors"])
     except registry.PluginError as exc:
         raise RecipeError(problems + [Problem(Location(file), "", str(exc))]) from None
+    problems += _check_added_keys(added, model, data)
     recipe = None
     try:
         recipe = model.model_validate(data)
@@ -381,7 +506,9 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
             p = _clean_loc(err["loc"], data)
             if any(p[: len(b)] == b for b in bad):
                 continue  # already reported as an unknown plugin name
-            problems.append(_pydantic_problem(err, model, data, positions, file))
+            found = _pydantic_problem(err, model, data, positions, file, deleted)
+            origin = interpolation_origin(raw, p) if err["type"] not in ("missing", "extra_forbidden") else ""
+            problems.append(Problem(found.location, found.path, f"{found.message}; {origin}") if origin else found)
     if recipe is not None and not problems:
         for rule_path, message in rules.check(recipe):
             problems.append(Problem(locate(positions, rule_path, file), dotted(rule_path), message))

@@ -22,8 +22,19 @@ def check(resolved) -> list[Problem]:
     out: list[Problem] = []
     for fn in (_data, _model, _batch_fits, _devices, _strategy, _strategy_checks):
         for path, message, severity in fn(recipe):
-            out.append(Problem(resolved.locate(path), ".".join(map(str, path)), message, severity))
+            out.append(Problem(resolved.locate(path), ".".join(map(str, path)), _with_origin(resolved, path, message),
+                               severity))
     return out
+
+
+def _with_origin(resolved, path: tuple, message: str) -> str:
+    """A value produced by `${...}` (often an environment variable's default) says so: the fix is
+    usually to set the variable, not to edit the file."""
+    origin = resolved.origin(path) if hasattr(resolved, "origin") else ""
+    if not origin:
+        return message
+    what, _, other_fix = message.partition("; ")
+    return f"{what}; {origin}" + (f"; or {other_fix}" if other_fix else "")
 
 
 # --------------------------------------------------------------------------- data
