@@ -202,6 +202,7 @@ class StragglersMonitorOptions(MonitorOptions):
     component: ClassVar[str] = "trainkit.monitors.stragglers:StragglersMonitor"
     needs_forward_time: ClassVar[bool] = True
     needs_comm_time: ClassVar[bool] = True
+    precise_timing: ClassVar[bool] = True  # device time on a GPU: host time is only the kernels' launch
     name: Literal["stragglers"]
     every: PositiveInt = Field(default=10, description="steps between gathers")
     margin: PositiveFloat = Field(default=0.2, description="fraction slower than the median that counts as late")
