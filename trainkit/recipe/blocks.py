@@ -273,6 +273,13 @@ class LaunchOptions(Block):
     run_dir: str = Field(default="runs", description="parent folder of run directories")
 
 
+class PerformanceOptions(Block):
+    """Speed settings that change what the device computes (and so which peak MFU is measured against)."""
+
+    tf32: bool = Field(default=False, description="fp32 matmuls and convolutions on TF32 tensor cores (Ampere and "
+                                                  "later): faster, ~10 mantissa bits; false keeps true fp32")
+
+
 class TrackingOptions(Block):
     experiment: str = Field(default="trainkit", description="MLflow experiment name")
     uri: Optional[str] = Field(default=None, description="MLflow tracking URI (null: embedded SQLite store)")
