@@ -2,7 +2,9 @@
 
 Input is every rank's mean step breakdown (runtime.stats.RunStats). The run is classified as
 straggler-, data-, communication- or compute-bound, with the numbers as evidence and concrete recipe
-changes ranked by the time they could save. Written at the end of every run and on demand
+changes ranked by the time they could save. Communication counts by its *exposed* part: with DDP the
+all-reduce overlaps backward, and only the time the step still waits for it after compute is done
+costs anything (in-flight time is shown as evidence, not judged). Written at the end of every run and on demand
 (`trainkit report RUN_DIR`).
 """
 
@@ -66,22 +68,28 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN) -> 
     step = statistics.median(r["total"] for r in ranks)
     data = _mean(ranks, "data_wait") or 0.0
     comm = _mean(ranks, "comm")
-    table = [["rank", "host", "step ms", "data wait ms", "forward ms", "backward ms", "optimizer ms", "comm ms"]]
+    exposed = _mean(ranks, "comm_exposed")
+    if exposed is None:  # reports written before exposed communication was measured
+        exposed = comm
+    table = [["rank", "host", "step ms", "data wait ms", "forward ms", "backward ms", "optimizer ms", "comm ms",
+              "exposed comm ms"]]
     for r in sorted(ranks, key=lambda r: r["rank"]):
         table.append([str(r["rank"]), r["host"], _ms(r["total"]), _ms(r["data_wait"]), _ms(r.get("forward")),
-                      _ms(r.get("backward")), _ms(r["optimizer"]), _ms(r.get("comm"))])
+                      _ms(r.get("backward")), _ms(r["optimizer"]), _ms(r.get("comm")), _ms(r.get("comm_exposed"))])
 
     # what each rank does before it can join the gradient collective
     pre = {r["rank"]: r["data_wait"] + r.get("forward", 0.0) for r in ranks}
     typical = statistics.median(pre.values())
     slow = [rk for rk, v in pre.items() if len(ranks) > 1 and v > typical * (1 + margin) and v - typical > 0.05 * step]
-    data_share, comm_share = data / step, (comm or 0.0) / step
+    data_share, comm_share = data / step, (exposed or 0.0) / step
     d = recipe.data
     advice: list[Advice] = []
     evidence = [f"median step {step * 1000:.1f} ms over {min(r['steps'] for r in ranks)} measured steps per rank",
                 f"data wait {data_share:.0%} of the step ({data * 1000:.1f} ms)"]
     if comm is not None:
-        evidence.append(f"gradient communication in flight {comm_share:.0%} of the step ({comm * 1000:.1f} ms)")
+        evidence.append(f"gradient communication in flight {comm / step:.0%} of the step ({comm * 1000:.1f} ms)")
+        evidence.append(f"exposed communication (the step waits for it after backward compute is done; the rest "
+                        f"overlaps backward) {comm_share:.0%} of the step ({exposed * 1000:.1f} ms)")
     else:
         evidence.append("communication not measured (add the `breakdown` monitor to measure it)")
 
@@ -98,10 +106,10 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN) -> 
     elif data_share > DATA_SHARE:
         kind = "data-bound"
         headline = f"{data_share:.0%} of each step waits for data ({data * 1000:.1f} of {step * 1000:.1f} ms)"
-    elif comm is not None and comm_share > COMM_SHARE:
+    elif exposed is not None and comm_share > COMM_SHARE:
         kind = "communication-bound"
-        headline = (f"gradient communication is in flight for {comm_share:.0%} of each step "
-                    f"({comm * 1000:.1f} of {step * 1000:.1f} ms)")
+        headline = (f"each step waits {comm_share:.0%} of its time for gradient communication not overlapped "
+                    f"with backward ({exposed * 1000:.1f} of {step * 1000:.1f} ms; {comm * 1000:.1f} ms in flight)")
     else:
         kind = "compute-bound"
         headline = f"forward/backward/optimizer take {1 - data_share - (comm_share if slow else 0):.0%} of the step"
@@ -126,7 +134,7 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN) -> 
             advice.append(Advice(data_share * 0.1, "set data.pin_memory: true (faster host-to-GPU copies)"))
     # communication advice
     s = recipe.strategy
-    if comm is not None and comm_share > 0.1 and s.name == "ddp":
+    if exposed is not None and comm_share > 0.1 and s.name == "ddp":
         if s.bucket_cap_mb < 10:
             advice.append(Advice(comm_share * 0.6, f"raise strategy.bucket_cap_mb from {s.bucket_cap_mb:g} to 25: tiny "
                                  f"buckets mean many small all-reduces, each paying the full latency"))

@@ -1,5 +1,6 @@
 """`breakdown`: per step, data wait / forward / backward (incl. gradient communication) / optimizer,
-gathered from every rank. On CUDA the phases are timed with CUDA events (see runtime.timing)."""
+communication in flight and exposed, gathered from every rank. On CUDA the phases are timed with CUDA
+events (see runtime.timing), kept unresolved and resolved once per log interval in `collect()`."""
 
 from __future__ import annotations
 
@@ -7,26 +8,35 @@ from typing import Optional
 
 from .base import Monitor, StepTimes
 
-PHASES = ("data_wait", "forward", "backward", "optimizer", "comm", "total")
+PHASES = ("data_wait", "forward", "backward", "optimizer", "comm", "comm_exposed", "total")
 
 
 class BreakdownMonitor(Monitor):
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         self.window: dict = {}
+        self.pending: list[StepTimes] = []
 
     def on_step_end(self, step: int, times: StepTimes) -> None:
+        self.pending.append(times)  # resolved at the log step: no device sync per step
+
+    def _add(self, times: StepTimes) -> None:
         values = {"data_wait": times.data_wait, "optimizer": times.optimizer, "total": times.total}
         if times.forward is not None:
             values["forward"] = times.forward
             values["backward"] = times.compute - times.forward
         if times.comm is not None:
             values["comm"] = times.comm
+        if times.comm_exposed is not None:
+            values["comm_exposed"] = times.comm_exposed
         self.window["steps"] = self.window.get("steps", 0) + 1
         for k, v in values.items():
             self.window[k] = self.window.get(k, 0.0) + v
 
     def collect(self, step: int) -> dict:
+        pending, self.pending = self.pending, []
+        for times in pending:
+            self._add(times.resolve())
         n, window = self.window.get("steps", 0), self.window
         self.window = {}
         return {k: window[k] / n for k in PHASES if n and k in window}

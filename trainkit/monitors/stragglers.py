@@ -1,6 +1,8 @@
 """`stragglers`: every N steps, gather each rank's pre-collective time (data wait + forward) and flag
 ranks slower than the median by `margin`. Total step time would hide them: with DDP the all-reduce
-makes every rank wait for the slowest, so all ranks report the same step time."""
+makes every rank wait for the slowest, so all ranks report the same step time. On a GPU the forward
+is device time (CUDA events, resolved once per check, not per step): host time there is only how
+long it took to queue the kernels."""
 
 from __future__ import annotations
 
@@ -16,17 +18,20 @@ from .base import Monitor, StepTimes
 class StragglersMonitor(Monitor):
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
-        self.pre: list[float] = []
+        self.pre: list[StepTimes] = []
         self.flags: dict[int, int] = {}  # rank -> times flagged
         self.checks = 0
 
     def on_step_end(self, step: int, times: StepTimes) -> None:
-        self.pre.append(times.data_wait + (times.forward or 0.0))
+        if self.ctx.world_size == 1:
+            return
+        self.pre.append(times)
         if step % self.options.every == 0 and self.ctx.world_size > 1:
             self._check(step)
 
     def _check(self, step: int) -> None:
-        mine = (statistics.median(self.pre), self.ctx.hostname)
+        pre = [t.resolve().data_wait + (t.forward or 0.0) for t in self.pre]
+        mine = (statistics.median(pre), self.ctx.hostname)
         self.pre = []
         gathered: list = [None] * self.ctx.world_size
         dist.all_gather_object(gathered, mine)

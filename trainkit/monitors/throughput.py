@@ -1,12 +1,15 @@
 """`throughput`: samples/s, step-time p50/p95 and MFU.
 
 FLOPs per step are counted by `torch.utils.flop_counter.FlopCounterMode` on a meta-device copy of
-the model (no memory, no effect on training), not supplied by hand. MFU divides achieved FLOP/s by
-the device's peak from a table of known GPUs; on CPU only achieved FLOP/s is reported.
+the model (no memory, no effect on training), not supplied by hand; with the pipeline strategy each
+rank counts only its own stages. MFU divides achieved FLOP/s by the peak of what actually runs on
+this GPU (bf16/fp16 tensor cores, TF32 only with `performance.tf32: true`, else plain fp32), from a
+table of known GPUs matched on the device name; on CPU only achieved FLOP/s is reported.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Optional
 
@@ -15,28 +18,55 @@ import torch
 from ..runtime.model import build_model
 from .base import Monitor
 
-# dense peak TFLOP/s per GPU: (bf16/fp16 tensor cores, tf32 for fp32 training)
-PEAK_TFLOPS = {
-    "H200": (989.0, 494.0), "H100 SXM": (989.0, 494.0), "H100 NVL": (835.0, 418.0), "H100 PCIe": (756.0, 378.0),
-    "H100": (989.0, 494.0), "GH200": (989.0, 494.0), "B200": (2250.0, 1100.0),
-    "A100": (312.0, 156.0), "A800": (312.0, 156.0), "A10G": (70.0, 35.0), "A10": (125.0, 62.5),
-    "L40S": (362.0, 183.0), "L40": (181.0, 90.5), "L4": (121.0, 60.0), "V100": (125.0, 15.7), "T4": (65.0, 8.1),
-    "RTX 4090": (165.0, 82.6), "RTX 3090": (71.0, 35.6),
-}
+# Dense peak TFLOP/s per GPU, matched on `torch.cuda.get_device_name()` ("NVIDIA H100 80GB HBM3",
+# "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-16GB", ...): the first pattern that
+# matches wins, so specific variants come before their family. Columns: bf16/fp16 tensor cores,
+# TF32 tensor cores (None: no TF32), plain fp32 (CUDA cores) -- the one that matches what runs.
+PEAK_TFLOPS: list[tuple[str, tuple[float, Optional[float], float]]] = [
+    (r"\bGH200\b", (989.0, 494.0, 67.0)),
+    (r"\bH200\b", (989.0, 494.0, 67.0)),
+    (r"\bH100\b.*\bNVL\b", (835.0, 418.0, 60.0)),
+    (r"\bH100\b.*\bPCIe\b", (756.0, 378.0, 51.0)),
+    (r"\bH100\b", (989.0, 494.0, 67.0)),  # SXM: "NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 80GB"
+    (r"\bH800\b.*\bPCIe\b", (756.0, 378.0, 51.0)),
+    (r"\bH800\b", (989.0, 494.0, 67.0)),
+    (r"\bB200\b", (2250.0, 1100.0, 80.0)),
+    (r"\bA100\b", (312.0, 156.0, 19.5)),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"
+    (r"\bA800\b", (312.0, 156.0, 19.5)),
+    (r"\bA10G\b", (70.0, 35.0, 31.2)),
+    (r"\bA10\b", (125.0, 62.5, 31.2)),
+    (r"\bL40S\b", (362.0, 183.0, 91.6)),
+    (r"\bL40\b", (181.0, 90.5, 90.5)),
+    (r"\bL4\b", (121.0, 60.0, 30.3)),
+    (r"\bV100\b", (125.0, None, 15.7)),  # fp16 tensor cores only (no bf16, no TF32)
+    (r"\bT4\b", (65.0, None, 8.1)),
+    (r"\bRTX 4090\b", (165.0, 82.6, 82.6)),
+    (r"\bRTX 3090\b", (71.0, 35.6, 35.6)),
+]
 
 
-def peak_flops(device: torch.device, precision: str) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, (half, tf32) in PEAK_TFLOPS.items():  # most specific names first in the table
-        if key in name:
-            return (half if precision in ("bf16", "fp16") else tf32) * 1e12
+def peak_tflops(device_name: str, precision: str, tf32: bool = False) -> Optional[float]:
+    """Dense peak TFLOP/s of `device_name` for what runs: bf16/fp16 tensor cores, TF32 only when it is
+    on (recipe `performance.tf32`), else plain fp32. None for an unknown device."""
+    for pattern, (half, tf32_peak, fp32) in PEAK_TFLOPS:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            if precision in ("bf16", "fp16"):
+                return half
+            return tf32_peak if tf32 and tf32_peak else fp32
     return None
 
 
-def count_step_flops(recipe) -> Optional[float]:
-    """FLOPs of one forward+backward of one micro-batch per rank, on the meta device."""
+def peak_flops(device: torch.device, precision: str, tf32: bool = False) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    peak = peak_tflops(torch.cuda.get_device_name(device), precision, tf32)
+    return None if peak is None else peak * 1e12
+
+
+def count_step_flops(recipe, strategy=None) -> Optional[float]:
+    """FLOPs of one forward+backward of one micro-batch on this rank, on the meta device. A strategy
+    that splits the model across ranks (pipeline) credits each rank with its own part
+    (`flops_of_rank`); otherwise every rank runs the whole model."""
     from torch.utils.flop_counter import FlopCounterMode
 
     shape = getattr(recipe.data, "shape", None)
@@ -48,9 +78,12 @@ def count_step_flops(recipe) -> Optional[float]:
         with torch.device("meta"):
             model = build_model(recipe.model.model_copy(update={"weights": None}))
             x = torch.empty(recipe.data.batch_size, *shape)
-        counter = FlopCounterMode(display=False)
-        with counter:
-            model(x).float().sum().backward()
+            of_rank = getattr(strategy, "flops_of_rank", None)  # optional part of the strategy interface
+            if of_rank is not None:
+                return float(of_rank(model, x))
+            counter = FlopCounterMode(display=False)
+            with counter:
+                model(x).float().sum().backward()
         return float(counter.get_total_flops())
     except Exception:  # exotic models: report throughput without MFU rather than fail the run
         return None
@@ -61,11 +94,13 @@ class ThroughputMonitor(Monitor):
         super().__init__(options, ctx)
         self.times: list[float] = []
         self.flops: Optional[float] = None
-        self.peak = peak_flops(ctx.device, ctx.recipe.precision)
+        perf = getattr(ctx.recipe, "performance", None)
+        self.peak = peak_flops(ctx.device, ctx.recipe.precision, tf32=bool(perf and perf.tf32))
+        self.per_rank_flops = hasattr(ctx.strategy, "flops_of_rank")  # ranks do different work
 
     def on_run_start(self) -> None:
-        if self.ctx.rank == 0:
-            self.flops = count_step_flops(self.ctx.recipe)
+        if self.ctx.rank == 0 or self.per_rank_flops:
+            self.flops = count_step_flops(self.ctx.recipe, self.ctx.strategy)
             if self.flops:
                 self.ctx.facts["flops_per_microbatch"] = self.flops
 
@@ -74,7 +109,7 @@ class ThroughputMonitor(Monitor):
         self.times = self.times[-self.options.window:]
 
     def collect(self, step: int) -> dict:
-        return {"times": list(self.times)}
+        return {"times": list(self.times), "flops": self.flops}
 
     def report(self, step: int, per_rank: list[dict]) -> dict:
         times = per_rank[0]["times"]
@@ -86,8 +121,9 @@ class ThroughputMonitor(Monitor):
         p95 = sorted(times)[min(len(times) - 1, int(0.95 * len(times)))]
         out = {"throughput/samples_per_s": r.data.batch_size * dp * r.trainer.grad_accum_steps / p50,
                "throughput/step_time_p50_s": p50, "throughput/step_time_p95_s": p95}
-        if self.flops:
-            achieved = self.flops * r.trainer.grad_accum_steps / p50  # per rank
+        flops = [p.get("flops") for p in per_rank] if self.per_rank_flops else [self.flops]
+        if all(flops):
+            achieved = sum(flops) / len(flops) * r.trainer.grad_accum_steps / p50  # mean per rank
             out["throughput/tflops_per_rank"] = achieved / 1e12
             if self.peak:
                 out["throughput/mfu"] = achieved / self.peak

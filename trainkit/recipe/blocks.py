@@ -202,6 +202,7 @@ class StragglersMonitorOptions(MonitorOptions):
     component: ClassVar[str] = "trainkit.monitors.stragglers:StragglersMonitor"
     needs_forward_time: ClassVar[bool] = True
     needs_comm_time: ClassVar[bool] = True
+    precise_timing: ClassVar[bool] = True  # device time on a GPU: host time is only the kernels' launch
     name: Literal["stragglers"]
     every: PositiveInt = Field(default=10, description="steps between gathers")
     margin: PositiveFloat = Field(default=0.2, description="fraction slower than the median that counts as late")
@@ -270,6 +271,13 @@ class LaunchOptions(Block):
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl with CUDA, else gloo")
     timeout_s: PositiveInt = Field(default=600, description="collective timeout")
     run_dir: str = Field(default="runs", description="parent folder of run directories")
+
+
+class PerformanceOptions(Block):
+    """Speed settings that change what the device computes (and so which peak MFU is measured against)."""
+
+    tf32: bool = Field(default=False, description="fp32 matmuls and convolutions on TF32 tensor cores (Ampere and "
+                                                  "later): faster, ~10 mantissa bits; false keeps true fp32")
 
 
 class TrackingOptions(Block):

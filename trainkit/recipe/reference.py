@@ -14,8 +14,8 @@ from pydantic_core import PydanticUndefined
 
 from .. import registry
 from .blocks import (
-    CheckpointOptions, LaunchOptions, ModelSpec, SchedulerOptions, SGDOptions, AdamOptions, TrackingOptions,
-    TrainerOptions,
+    CheckpointOptions, LaunchOptions, ModelSpec, PerformanceOptions, SchedulerOptions, SGDOptions, AdamOptions,
+    TrackingOptions, TrainerOptions,
 )
 from .schema import PLUGIN_FIELDS, Recipe
 
@@ -78,7 +78,7 @@ def reference_markdown(builtin_only: bool = True) -> str:
     for title, model in (("model", ModelSpec), ("optimizer: sgd", SGDOptions), ("optimizer: adam / adamw", AdamOptions),
                          ("scheduler", SchedulerOptions), ("trainer", TrainerOptions),
                          ("trainer.checkpoint", CheckpointOptions), ("launch", LaunchOptions),
-                         ("tracking", TrackingOptions)):
+                         ("performance", PerformanceOptions), ("tracking", TrackingOptions)):
         out += [f"## `{title}`", ""]
         if model.__doc__:
             out += [model.__doc__.strip().splitlines()[0], ""]

@@ -20,6 +20,7 @@ from .blocks import (
     LaunchOptions,
     ModelSpec,
     OptimizerOptions,
+    PerformanceOptions,
     PluginBlock,
     SchedulerOptions,
     SGDOptions,
@@ -46,6 +47,7 @@ class Recipe(Block):
     scheduler: SchedulerOptions = Field(default_factory=SchedulerOptions)
     trainer: TrainerOptions
     launch: LaunchOptions = Field(default_factory=LaunchOptions)
+    performance: PerformanceOptions = Field(default_factory=PerformanceOptions)
     monitors: list[Any] = Field(default_factory=list, description="monitor plugins, by name or {name: ..., options}")
     tracking: TrackingOptions = Field(default_factory=TrackingOptions)
 

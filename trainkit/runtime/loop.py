@@ -110,9 +110,10 @@ class Loop:
         accum = self.recipe.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
         clock, t_start = self.clock, time.perf_counter()
-        data_wait = compute = 0.0
+        data_wait = 0.0
+        compute = clock.phase()  # device phases stay marks until a log interval resolves them: no sync here
         marks = self.forward_marks
-        forward = 0.0 if marks is not None else None
+        forward = clock.phase() if marks is not None else None
         for micro in range(accum):
             t0 = time.perf_counter()
             x, y = self._to_device(next(data))
@@ -122,10 +123,9 @@ class Loop:
             c0 = clock.mark()
             total += self.strategy.forward_backward(self.model, x, y, self.task.loss_fn, self.precision,
                                                     grad_accum_steps=accum, last_micro_step=micro == accum - 1)
-            c1 = clock.mark()
-            compute += clock.seconds(c0, c1)
+            compute.add(c0, clock.mark())
             if marks and marks.marks:
-                forward += clock.seconds(c0, marks.marks[0])
+                forward.add(c0, marks.marks[0])
                 marks.clear()
         o0 = clock.mark()
         self.skipped = False
@@ -138,11 +138,13 @@ class Loop:
             grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
                                                      self.recipe.trainer.grad_clip)
         self.scheduler.step()  # the schedule follows the step count, skipped steps included
-        optimizer = clock.seconds(o0, clock.mark())
+        optimizer = clock.phase()
+        optimizer.add(o0, clock.mark())
         timer = self.strategy.comm_timer
-        comm = timer.take()[0] if timer is not None else None
+        comm = timer.take() if timer is not None else None
         times = StepTimes(data_wait=data_wait, compute=compute, optimizer=optimizer,
-                          total=time.perf_counter() - t_start, forward=forward, comm=comm)
+                          total=time.perf_counter() - t_start, forward=forward,
+                          comm=comm.in_flight if comm else None, comm_exposed=comm.exposed if comm else None)
         return total, grad_norm, times
 
     @property

@@ -1,4 +1,7 @@
-"""Per-rank running means of the step phases: the evidence the bottleneck report reasons from."""
+"""Per-rank running means of the step phases: the evidence the bottleneck report reasons from.
+
+Steps arrive with device phases unresolved (CUDA events); they are kept until the end of the log
+interval and resolved then, so the device is never synchronized per step for these statistics."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import torch.distributed as dist
 from .timing import StepTimes
 
 WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up
-FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm")
+FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm", "comm_exposed")
 
 
 @dataclass
@@ -18,11 +21,20 @@ class RunStats:
     seen: int = 0
     run: dict = field(default_factory=dict)
     interval: dict = field(default_factory=dict)
+    pending: list = field(default_factory=list)  # this interval's steps, device phases not yet resolved
 
     def add(self, times: StepTimes) -> None:
         self.seen += 1
-        if self.seen <= WARMUP_STEPS:
-            return
+        if self.seen > WARMUP_STEPS:
+            self.pending.append(times)
+
+    def _resolve(self) -> None:
+        """Resolve the interval's steps (the one wait for the device per log interval) and add them up."""
+        pending, self.pending = self.pending, []
+        for times in pending:
+            self._sum(times.resolve())
+
+    def _sum(self, times: StepTimes) -> None:
         for bucket in (self.run, self.interval):
             bucket["steps"] = bucket.get("steps", 0) + 1
             for name in FIELDS:
@@ -32,12 +44,14 @@ class RunStats:
 
     def interval_means(self) -> dict:
         """Mean step time and data wait since the last call (this rank), for the metric log."""
+        self._resolve()
         n = self.interval.get("steps", 0)
         out = {} if not n else {"step_time_s": self.interval["total"] / n, "data_wait_s": self.interval["data_wait"] / n}
         self.interval = {}
         return out
 
     def means(self) -> dict:
+        self._resolve()
         n = self.run.get("steps", 0)
         out = {"steps": n, "host": socket.gethostname(), "rank": dist.get_rank() if dist.is_initialized() else 0}
         for name in FIELDS:

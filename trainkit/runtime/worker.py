@@ -144,6 +144,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     rank = dist.get_rank()
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = recipe.performance.tf32  # MFU's peak
     model = build_model(recipe.model)
     strategy_cls = registry.component(recipe.strategy)
     precision = Precision(recipe.precision, device, recipe.trainer.loss_scale,

@@ -33,6 +33,9 @@ class DDPStrategy(Strategy):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         hook, state = self.options.comm_hook, None
+        if self.comm_timer is not None:
+            self.comm_timer.bind(self.device)  # CUDA events on a GPU: a host timestamp in the hook's
+            # future callback is taken when the collective is queued, not when it has finished
         if hook == "fp16_compress":
             fn = default_hooks.fp16_compress_hook
         elif hook == "bf16_compress":

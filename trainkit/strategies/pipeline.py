@@ -109,6 +109,29 @@ def plan_stages(model: nn.Module, options: PipelineOptions, world_size: int) -> 
     return [blocks[a:b] for a, b in zip(edges, edges[1:])]
 
 
+def stages_of_rank(rank: int, num_stages: int, world_size: int) -> list[int]:
+    """Round-robin ("loop") placement: rank r holds stages r, r + world_size, ..."""
+    return list(range(rank, num_stages, world_size))
+
+
+def stage_flops(stages: list[nn.Module], x: torch.Tensor) -> list[float]:
+    """FLOPs of one forward + backward of each stage on `x` (the whole batch: micro-batching does
+    not change the sum), counted as the pipeline runs them: every stage after the first also computes
+    the gradient of its input, to send it back. Works on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = []
+    for i, stage in enumerate(stages):
+        x = x.detach().requires_grad_(i > 0)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            y = stage(x)
+            y.float().sum().backward()
+        out.append(float(counter.get_total_flops()))
+        x = y
+    return out
+
+
 class StageModule(nn.Module):
     """A run of consecutive blocks; state_dict keys are the original model's."""
 
@@ -148,7 +171,7 @@ class PipelineStrategy(Strategy):
 
         plan = plan_stages(model, self.options, self.world_size)
         self.num_stages = len(plan)
-        self.stage_ids = list(range(self.rank, self.num_stages, self.world_size))  # round-robin ("loop") placement
+        self.stage_ids = stages_of_rank(self.rank, self.num_stages, self.world_size)
         self.modules = [StageModule(plan[i]).to(self.device) for i in self.stage_ids]
         self.stages = [PipelineStage(m, i, self.num_stages, self.device) for m, i in zip(self.modules, self.stage_ids)]
         self.schedule = None
@@ -164,6 +187,13 @@ class PipelineStrategy(Strategy):
             raise SplitError(f"rank {self.rank} holds stages {self.stage_ids} without parameters; "
                              f"choose split points that give every rank some layers")
         return container, optimizer_factory(kept)
+
+    def flops_of_rank(self, model: nn.Module, x: torch.Tensor) -> float:
+        """FLOPs of one forward + backward of this rank's stages only (for MFU: a rank is credited
+        with the work it does, not the whole model's). `model` is the unsplit model, e.g. on meta."""
+        plan = plan_stages(model, self.options, self.world_size)
+        per_stage = stage_flops([StageModule(blocks) for blocks in plan], x)
+        return sum(per_stage[i] for i in stages_of_rank(self.rank, len(plan), self.world_size))
 
     @property
     def last_stage_rank(self) -> int:
