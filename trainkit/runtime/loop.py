@@ -142,11 +142,11 @@ class Loop:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Metrics over the eval loader's samples (its sampler picks the subset and each rank's share,
+        see runtime.data.EvalSampler), from float64 sums added over batches and ranks."""
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for i, batch in enumerate(self.eval_loader):
-            if i >= self.recipe.trainer.eval_steps:
-                break
+        for batch in self.eval_loader:
             x, y = self.task.to_device(batch)
             out = self.strategy.eval_forward(self.model, x, self.precision)
             sums += self.task.eval_sums(out, y)

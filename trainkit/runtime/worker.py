@@ -163,7 +163,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     eval_loader = None
     if eval_set is not None and recipe.trainer.eval_every:
         eval_loader = make_loader(eval_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=False,
-                                  pin_memory=pin)
+                                  pin_memory=pin, eval_steps=recipe.trainer.eval_steps)
 
     ckpt_dir = run_dir / "checkpoints"
     checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_data)
