@@ -72,6 +72,16 @@ class Loop:
 
     def __post_init__(self):
         self.guard = NonFiniteGuard(self.device)
+        self.interval_losses: list[torch.Tensor] = []  # this rank's step losses since the last log, on the device
+
+    def interval_loss(self) -> dict:
+        """`loss` (mean) and `loss_max` over the steps since the previous log step, each step's loss
+        being its mean over data-parallel ranks (as `reduce_loss` defines it). The per-step values
+        stay on the device until now: one collective of log_every floats per log step, no sync per step."""
+        per_step = self.strategy.reduce_loss(torch.stack(self.interval_losses)).double()
+        self.interval_losses = []
+        mean, top = torch.stack([per_step.mean(), per_step.max()]).tolist()  # one device-to-host copy
+        return {"loss": mean, "loss_max": top}
 
     # ------------------------------------------------------------------ data
     def batches(self) -> Iterator:
@@ -200,6 +210,7 @@ class Loop:
         while self.state.step < t.max_steps:
             self.monitors.call("on_step_start", self.state.step + 1)
             loss, grad_norm, times = self.train_step(data)
+            self.interval_losses.append(loss.detach().float().reshape(()))
             self.state.step += 1
             self.stats.add(times)
             if first_step_at is None:
@@ -215,7 +226,7 @@ class Loop:
                 self.progress.update(step, loss.item())
             last = step == t.max_steps
             if step % t.log_every == 0 or last or (t.eval_every and step % t.eval_every == 0):
-                metrics = {"loss": self.strategy.reduce_loss(loss).item(),
+                metrics = {**self.interval_loss(),
                            "lr": self.optimizer.param_groups[0]["lr"], "epoch": self.state.epoch,
                            "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
                 if grad_norm is not None:

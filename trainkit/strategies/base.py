@@ -98,7 +98,8 @@ class Strategy:
 
     # ---- collectives
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's loss as the whole job sees it (mean over data-parallel ranks)."""
+        """The step's loss as the whole job sees it (mean over data-parallel ranks), elementwise: the
+        loop passes the losses of all steps since the last log step as one vector."""
         return self.all_reduce_mean(loss)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
