@@ -6,6 +6,10 @@
   restarts and that resume loses nothing.
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
 - TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step.
+- TRAINKIT_FAULT_COUNT_COLLECTIVES=DIR: count gradient reductions (DDP: comm-hook calls, through a
+  counting all-reduce hook; FSDP2: `dist.reduce_scatter_single` calls) and append one line per
+  optimizer step to DIR/collectives-rank<R>.jsonl: {"step", "calls", "rounds"} (rounds: DDP
+  calls for bucket 0, i.e. how many times the gradients were all-reduced).
 """
 
 from __future__ import annotations
@@ -39,7 +43,44 @@ def install(*, model, rank: int) -> list:
     if spec and int(_fields(spec).get("rank", -1)) == rank:
         seconds = float(_fields(spec).get("ms", "50")) / 1000
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
-    return hooks + install_nan(model=model, rank=rank)
+    return hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
+
+
+def install_collective_count(*, model, rank: int) -> list:
+    folder = os.environ.get("TRAINKIT_FAULT_COUNT_COLLECTIVES")
+    if not folder:
+        return []
+    import json
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    counts = {"calls": 0, "rounds": 0}
+    if isinstance(model, DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def counting_allreduce(state, bucket):
+            counts["calls"] += 1
+            counts["rounds"] += bucket.index() == 0
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_allreduce)
+    else:
+        original = dist.reduce_scatter_single
+
+        def counting_reduce_scatter(*args, **kwargs):
+            counts["calls"] += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting_reduce_scatter
+    path = os.path.join(folder, f"collectives-rank{rank}.jsonl")
+
+    def record(step: int) -> None:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": step, **counts}) + "\n")
+        counts.update(calls=0, rounds=0)
+
+    return [record]
 
 
 def install_nan(*, model, rank: int) -> list:
