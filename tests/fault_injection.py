@@ -10,6 +10,9 @@
   counting all-reduce hook; FSDP2: `dist.reduce_scatter_single` calls) and append one line per
   optimizer step to DIR/collectives-rank<R>.jsonl: {"step", "calls", "rounds"} (rounds: DDP
   calls for bucket 0, i.e. how many times the gradients were all-reduced).
+- TRAINKIT_FAULT_DIVERGE="rank=1,step=6,what=param|buffer": after that optimizer step (after its
+  checkpoint) that rank alone adds 1e-3 to its first parameter's local tensor (param), or gets a
+  buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
 """
 
 from __future__ import annotations
@@ -43,7 +46,30 @@ def install(*, model, rank: int) -> list:
     if spec and int(_fields(spec).get("rank", -1)) == rank:
         seconds = float(_fields(spec).get("ms", "50")) / 1000
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
-    return hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
+    return (hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
+            + install_divergence(model=model, rank=rank))
+
+
+def install_divergence(*, model, rank: int) -> list:
+    spec = os.environ.get("TRAINKIT_FAULT_DIVERGE")
+    if not spec:
+        return []
+    import torch
+
+    fields = _fields(spec)
+    at, culprit, what = int(fields["step"]), int(fields["rank"]), fields.get("what", "param")
+
+    def diverge(step: int) -> None:
+        if step != at:
+            return
+        if what == "buffer":
+            model.register_buffer("diverged_probe", torch.full((4,), float(rank == culprit)))
+        elif rank == culprit:
+            with torch.no_grad():
+                p = next(model.parameters())
+                (p.to_local() if hasattr(p, "to_local") else p).add_(1e-3)
+
+    return [diverge]
 
 
 def install_collective_count(*, model, rank: int) -> list:

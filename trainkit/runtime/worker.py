@@ -213,7 +213,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         summary["checkpoint"] = str(source)
     summary["resumed_from"] = str(source) if source else None
     digests = strategy.replica_digests(model)
-    summary["replicas_identical"] = len(set(digests)) == 1
+    summary["replicas_identical"] = strategy.replicas_agree(digests)  # None: no replicas (pipeline)
     summary["replica_digests"] = digests
     strategy.teardown()
     return summary
@@ -221,7 +221,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
 
 def report(run_dir: Path, summary: dict) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if not summary.get("replicas_identical", True):
+    if summary.get("replicas_identical") is False:
         print("trainkit: warning: model replicas differ across ranks at the end of training", file=sys.stderr)
     loss = summary["final_loss"]
     acc = summary["eval"].get("eval_accuracy")
