@@ -7,6 +7,17 @@
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
 - TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step.
 - TRAINKIT_FAULT_RECORD_SAMPLES=DIR: every rank records a hash of each training sample it sees.
+- TRAINKIT_FAULT_COUNT_COLLECTIVES=DIR: count gradient reductions (DDP: comm-hook calls, through a
+  counting all-reduce hook; FSDP2: `dist.reduce_scatter_single` calls) and append one line per
+  optimizer step to DIR/collectives-rank<R>.jsonl: {"step", "calls", "rounds"} (rounds: DDP
+  calls for bucket 0, i.e. how many times the gradients were all-reduced).
+- TRAINKIT_FAULT_PROBE_FSDP=DIR: for every FSDP unit below the root, record per optimizer step how
+  many times its forward ran in training (activation checkpointing reruns it in backward), the
+  dtype of its output, its parameters' device and its offload policy, as lines of
+  DIR/fsdp-rank<R>.jsonl.
+- TRAINKIT_FAULT_DIVERGE="rank=1,step=6,what=param|buffer": after that optimizer step (after its
+  checkpoint) that rank alone adds 1e-3 to its first parameter's local tensor (param), or gets a
+  buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
 """
 
 from __future__ import annotations
@@ -40,7 +51,105 @@ def install(*, model, rank: int) -> list:
     if spec and int(_fields(spec).get("rank", -1)) == rank:
         seconds = float(_fields(spec).get("ms", "50")) / 1000
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
-    return hooks + install_nan(model=model, rank=rank) + install_sample_recorder(model=model, rank=rank)
+    return (hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
+            + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
+            + install_sample_recorder(model=model, rank=rank))
+
+
+def install_fsdp_probe(*, model, rank: int) -> list:
+    folder = os.environ.get("TRAINKIT_FAULT_PROBE_FSDP")
+    if not folder:
+        return []
+    import json
+
+    from torch.distributed.fsdp import FSDPModule
+
+    units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model}
+    forwards = {name: 0 for name in units}
+    dtypes: dict = {}
+
+    def counted(name, forward):  # the forward itself: the recomputation in backward bypasses module hooks
+        def run(*args, **kwargs):
+            output = forward(*args, **kwargs)
+            if units[name].training:
+                forwards[name] += 1
+                dtypes[name] = str(output.dtype)
+            return output
+        return run
+
+    for name, m in units.items():
+        m.forward = counted(name, m.forward)
+    path = os.path.join(folder, f"fsdp-rank{rank}.jsonl")
+
+    def record(step: int) -> None:
+        facts = {name: {"forwards": forwards[name], "output_dtype": dtypes.get(name),
+                        "param_devices": sorted({str(p.device) for p in m.parameters()}),
+                        "offload_policy": type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__}
+                 for name, m in units.items()}
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": step, "units": facts}) + "\n")
+        forwards.update({name: 0 for name in units})
+
+    return [record]
+
+
+def install_divergence(*, model, rank: int) -> list:
+    spec = os.environ.get("TRAINKIT_FAULT_DIVERGE")
+    if not spec:
+        return []
+    import torch
+
+    fields = _fields(spec)
+    at, culprit, what = int(fields["step"]), int(fields["rank"]), fields.get("what", "param")
+
+    def diverge(step: int) -> None:
+        if step != at:
+            return
+        if what == "buffer":
+            model.register_buffer("diverged_probe", torch.full((4,), float(rank == culprit)))
+        elif rank == culprit:
+            with torch.no_grad():
+                p = next(model.parameters())
+                (p.to_local() if hasattr(p, "to_local") else p).add_(1e-3)
+
+    return [diverge]
+
+
+def install_collective_count(*, model, rank: int) -> list:
+    folder = os.environ.get("TRAINKIT_FAULT_COUNT_COLLECTIVES")
+    if not folder:
+        return []
+    import json
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    counts = {"calls": 0, "rounds": 0}
+    if isinstance(model, DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def counting_allreduce(state, bucket):
+            counts["calls"] += 1
+            counts["rounds"] += bucket.index() == 0
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_allreduce)
+    else:
+        original = dist.reduce_scatter_single
+
+        def counting_reduce_scatter(*args, **kwargs):
+            counts["calls"] += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting_reduce_scatter
+    path = os.path.join(folder, f"collectives-rank{rank}.jsonl")
+
+    def record(step: int) -> None:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": step, **counts}) + "\n")
+        counts.update(calls=0, rounds=0)
+
+    return [record]
 
 
 def install_nan(*, model, rank: int) -> list:

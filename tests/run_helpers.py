@@ -37,6 +37,9 @@ def env_for(tmp: Path, **extra: str) -> dict:
     env.pop("TRAINKIT_FAULT_INJECT", None)
     env.pop("TRAINKIT_FAULT_DELAY", None)
     env.pop("TRAINKIT_FAULT_NAN", None)
+    env.pop("TRAINKIT_FAULT_COUNT_COLLECTIVES", None)
+    env.pop("TRAINKIT_FAULT_DIVERGE", None)
+    env.pop("TRAINKIT_FAULT_PROBE_FSDP", None)
     env.pop("TRAINKIT_TEST_HOOKS", None)
     if any(key.startswith("TRAINKIT_FAULT_") for key in extra):  # only then: the workers' fault injection
         env["TRAINKIT_TEST_HOOKS"] = "fault_injection"

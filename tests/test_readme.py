@@ -26,3 +26,13 @@ def test_the_main_job_recipe_exists_and_its_data_command_matches_it():
     assert (REPO / recipe).is_file()
     root = re.search(r"make-imagefolder (\S+)", run).group(1)
     assert f"root: {root}" in (REPO / recipe).read_text()
+
+
+def test_the_main_job_evaluates_on_held_out_images():
+    """Guards the demo's evaluation split: make-imagefolder writes train/ and val/, and the recipe
+    trains on one and evaluates on the other (not on the training images)."""
+    run = readme_commands()[0]
+    root = re.search(r"make-imagefolder (\S+)", run).group(1)
+    assert re.search(r"--val-per-class [1-9]", run)
+    text = (REPO / re.search(r"trainkit run (\S+)", run).group(1)).read_text()
+    assert re.search(rf"^  root: {root}/train$", text, re.M) and re.search(rf"^  val_root: {root}/val\b", text, re.M)

@@ -7,6 +7,7 @@ bit: torch.distributed.checkpoint restores the exact shards, RNG and data positi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,16 +48,49 @@ def test_fsdp_resume_repeats_the_uninterrupted_run_exactly(fsdp_run):
     assert resume_from_step_10(tmp, run_dir, path) == uninterrupted[10:]
 
 
-def test_automatic_wrap_bf16_offload_and_activation_checkpointing_train(tmp_path, single):
-    """The other options on the same job: automatic units, bf16 MixedPrecisionPolicy (fp32
-    reduction), CPU offload and activation checkpointing. bf16 moves the losses by ~1e-2, so this
-    checks that training works and stays close, not equality."""
+def options_run(tmp_path) -> tuple[list[float], list[dict]]:
     path = recipe(tmp_path, "fsdp-opts", {"name": "fsdp", "wrap": [], "activation_checkpointing": True,
                                           "cpu_offload": True, "reshard_after_forward": False},
                   precision="bf16", trainer={"max_steps": 8, "checkpoint": {"every": 100}})
-    ours = losses(run(tmp_path, path))
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    ours = losses(run(tmp_path, path, TRAINKIT_FAULT_PROBE_FSDP=str(probe)))
+    rows = [json.loads(line) for r in (0, 1) for line in (probe / f"fsdp-rank{r}.jsonl").read_text().splitlines()]
+    return ours, rows
+
+
+@pytest.fixture(scope="module")
+def options(tmp_path_factory):
+    return options_run(tmp_path_factory.mktemp("fsdp-opts"))
+
+
+def test_automatic_wrap_bf16_offload_train_close_to_fp32(options, single):
+    """Guards that the options are in effect, not only that training survives them: automatic
+    units (the MLP's 4 Linear layers), each computing in bf16 (its output dtype, recorded by
+    tests/fault_injection.py TRAINKIT_FAULT_PROBE_FSDP), with the CPUOffloadPolicy and parameters
+    on the CPU. Bound: bf16 keeps 8 mantissa bits (unit roundoff 2^-8 ~ 3.9e-3 per rounding), but
+    the loss averages many roundings; measured over these 8 steps the largest relative deviation
+    from the fp32 one-process trajectory was 2.5e-4 (the same options in fp32: <= 9e-8). 2e-3
+    leaves 8x margin and still fails a run that lost precision handling (e.g. fp16 without scaling
+    or a wrong cast) or the fp32 gradient reduction, which move the loss by >1e-2."""
+    ours, rows = options
     assert len(ours) == 8 and ours[-1] < ours[0]
-    assert ours == pytest.approx(single[:8], rel=5e-2)
+    assert max(abs(a - b) / b for a, b in zip(ours, single[:8])) < 2e-3
+    units = rows[0]["units"]
+    assert len(units) == 4  # automatic wrap found the 4 Linear blocks
+    for row in rows:
+        for unit in row["units"].values():
+            assert unit["output_dtype"] == "torch.bfloat16"
+            assert unit["offload_policy"] == "CPUOffloadPolicy" and unit["param_devices"] == ["cpu"]
+
+
+@pytest.mark.xfail(strict=True, reason="finding: under fully_shard the composable checkpoint() of a unit "
+                   "does not rerun its forward in backward (1 forward per step measured); to investigate")
+def test_activation_checkpointing_recomputes_each_unit_in_backward(options):
+    """Guards activation_checkpointing: each unit's forward runs twice per optimizer step (once in
+    the forward, once recomputed in backward), counted by wrapping the unit's forward."""
+    _, rows = options
+    assert all(unit["forwards"] == 2 for row in rows for unit in row["units"].values()), rows[0]
 
 
 @pytest.mark.parametrize("saved_with, loaded_with", [(2, 1), (1, 2)])

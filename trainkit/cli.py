@@ -231,6 +231,8 @@ trainkit data make-imagefolder /tmp/imagenet/train --classes 10 --per-class 50""
     m.add_argument("--per-class", type=_positive, default=50)
     m.add_argument("--size", type=_positive, default=64)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--val-per-class", type=int, default=0, metavar="N",
+                   help="also write N held-out images per class: DIR/train/ and DIR/val/ (default 0: DIR/<class>/)")
     m.set_defaults(func=cmd_make_imagefolder)
     return parser
 
@@ -358,8 +360,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_make_imagefolder(args: argparse.Namespace) -> int:
     from .runtime.imagefolder_maker import make_imagefolder
 
-    root = make_imagefolder(args.root, classes=args.classes, per_class=args.per_class, size=args.size, seed=args.seed)
-    print(f"wrote {args.classes} classes x {args.per_class} images of {args.size}px to {root}")
+    root = make_imagefolder(args.root, classes=args.classes, per_class=args.per_class, size=args.size, seed=args.seed,
+                            val_per_class=max(0, args.val_per_class))
+    if args.val_per_class > 0:
+        print(f"wrote {args.classes} classes x {args.per_class} training images to {root / 'train'} and "
+              f"x {args.val_per_class} held-out images to {root / 'val'}, {args.size}px")
+    else:
+        print(f"wrote {args.classes} classes x {args.per_class} images of {args.size}px to {root}")
     return EXIT_OK
 
 

@@ -189,6 +189,39 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
+class EvalSampler(torch.utils.data.Sampler):
+    """This rank's share of a fixed, seeded random subset of the evaluation split.
+
+    The subset is the first `limit` indices of a permutation of the whole split drawn from `seed`
+    (the same on every rank and at every evaluation), so an ImageFolder sorted by class is sampled
+    across its classes; `limit` None (or larger than the split) takes the whole split. Rank r reads
+    subset[r::world_size]: no sample is read twice and none is padded in, so the shards may differ
+    in length by one (the evaluation sums add up counts, not means). `set_epoch`/`start_at` are
+    accepted for the train sampler's interface and change nothing.
+    """
+
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, limit: Optional[int] = None):
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.indices = order[:size if limit is None else min(limit, size)][rank::world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def start_at(self, samples: int) -> None:
+        pass
+
+
+def eval_subset_size(batch_size: int, eval_steps: int, data_parallel_size: int) -> int:
+    """Samples one evaluation reads over all data-parallel ranks (fewer when the split is smaller)."""
+    return batch_size * eval_steps * data_parallel_size
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), then make
     sure the parent had not died already (before the request, the kernel would not know to send it).
@@ -209,9 +242,15 @@ def _loader_worker_init(parent_pid: int, worker_id: int) -> None:
 
 
 def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size: int, seed: int,
-                train: bool, pin_memory: bool) -> DataLoader:
-    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                          shuffle=options.shuffle and train, seed=seed, drop_last=False)
+                train: bool, pin_memory: bool, eval_steps: Optional[int] = None) -> DataLoader:
+    """The training loader (resumable, shuffled per epoch) or, with `train=False`, the evaluation
+    loader over `EvalSampler`'s subset of eval_steps x batch_size x world_size samples."""
+    if train:
+        sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                              shuffle=options.shuffle, seed=seed, drop_last=False)
+    else:
+        limit = None if eval_steps is None else eval_subset_size(options.batch_size, eval_steps, world_size)
+        sampler = EvalSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, limit=limit)
     workers = options.num_workers
     return DataLoader(
         dataset, batch_size=options.batch_size, sampler=sampler, num_workers=workers,

@@ -75,6 +75,18 @@ class Loop:
 
     def __post_init__(self):
         self.guard = NonFiniteGuard(self.device)
+        self.interval_losses: list[torch.Tensor] = []  # this rank's step losses since the last log, on the device
+
+    def interval_loss(self) -> dict:
+        """`loss` (mean) and `loss_max` over the steps since the previous log step, each step's loss
+        being its mean over data-parallel ranks (as `reduce_loss` defines it). The per-step values
+        stay on the device until now: one collective of log_every floats per log step, no sync per step."""
+        if not self.interval_losses:  # every step of the interval was skipped (skip_step)
+            return {}
+        per_step = self.strategy.reduce_loss(torch.stack(self.interval_losses)).double()
+        self.interval_losses = []
+        mean, top = torch.stack([per_step.mean(), per_step.max()]).tolist()  # one device-to-host copy
+        return {"loss": mean, "loss_max": top}
 
     # ------------------------------------------------------------------ data
     def batches(self) -> Iterator:
@@ -153,11 +165,11 @@ class Loop:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Metrics over the eval loader's samples (its sampler picks the subset and each rank's share,
+        see runtime.data.EvalSampler), from float64 sums added over batches and ranks."""
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for i, batch in enumerate(self.eval_loader):
-            if i >= self.recipe.trainer.eval_steps:
-                break
+        for batch in self.eval_loader:
             x, y = self.task.to_device(batch)
             out = self.strategy.eval_forward(self.model, x, self.precision)
             sums += self.task.eval_sums(out, y)
@@ -211,6 +223,8 @@ class Loop:
         while self.state.step < t.max_steps:
             self.monitors.call("on_step_start", self.state.step + 1)
             loss, grad_norm, times = self.train_step(data)
+            if not self.skipped:  # a discarded step's NaN would make the interval's mean NaN
+                self.interval_losses.append(loss.detach().float().reshape(()))
             self.state.step += 1
             self.stats.add(times)
             if first_step_at is None:
@@ -226,7 +240,7 @@ class Loop:
                 self.progress.update(step, loss.item())
             last = step == t.max_steps
             if step % t.log_every == 0 or last or (t.eval_every and step % t.eval_every == 0):
-                metrics = {"loss": self.strategy.reduce_loss(loss).item(),
+                metrics = {**self.interval_loss(),
                            "lr": self.optimizer.param_groups[0]["lr"], "epoch": self.state.epoch,
                            "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
                 if grad_norm is not None:

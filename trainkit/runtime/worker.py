@@ -164,7 +164,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     eval_loader = None
     if eval_set is not None and recipe.trainer.eval_every:
         eval_loader = make_loader(eval_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=False,
-                                  pin_memory=pin)
+                                  pin_memory=pin, eval_steps=recipe.trainer.eval_steps)
 
     ckpt_dir = run_dir / "checkpoints"
     checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_data)
@@ -214,7 +214,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         summary["checkpoint"] = str(source)
     summary["resumed_from"] = str(source) if source else None
     digests = strategy.replica_digests(model)
-    summary["replicas_identical"] = len(set(digests)) == 1
+    summary["replicas_identical"] = strategy.replicas_agree(digests)  # None: no replicas (pipeline)
     summary["replica_digests"] = digests
     strategy.teardown()
     return summary
@@ -222,7 +222,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
 
 def report(run_dir: Path, summary: dict) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if not summary.get("replicas_identical", True):
+    if summary.get("replicas_identical") is False:
         print("trainkit: warning: model replicas differ across ranks at the end of training", file=sys.stderr)
     loss = summary["final_loss"]
     acc = summary["eval"].get("eval_accuracy")

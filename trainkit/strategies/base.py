@@ -19,6 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 
+def hash_tensor(h, name: str, t: torch.Tensor) -> None:
+    """Add a named tensor's exact bytes (as this process holds them) to a hash."""
+    h.update(name.encode())
+    h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
 class Strategy:
     """Default behaviour is plain data parallel bookkeeping; subclasses override what differs.
 
@@ -101,7 +107,8 @@ class Strategy:
 
     # ---- collectives
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's loss as the whole job sees it (mean over data-parallel ranks)."""
+        """The step's loss as the whole job sees it (mean over data-parallel ranks), elementwise: the
+        loop passes the losses of all steps since the last log step as one vector."""
         return self.all_reduce_mean(loss)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -137,16 +144,27 @@ class Strategy:
             yield p.detach()
 
     def replica_digests(self, model: nn.Module) -> list[str]:
-        """sha256 of each rank's parameters (replicas must agree): a cheap end-of-run sanity check.
-        Sharded strategies hash the whole model as gathered on each rank."""
+        """sha256 per rank of what this rank holds that the other ranks must hold identically: here
+        (replicas) every parameter and buffer of its own copy of the model, as it is in its own
+        memory. An end-of-run check (a collective): `replicas_agree` says whether the digests match.
+        Sharded strategies override this with what is replicated there."""
         h = hashlib.sha256()
-        for t in self.local_tensors(model):
-            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        for i, t in enumerate(self.local_tensors(model)):  # ZeRO-3 gathers here: see docs/strategies.md
+            hash_tensor(h, f"param{i}", t)
+        for name, t in self.unwrap(model).named_buffers():
+            hash_tensor(h, name, t)
+        return self.gather_digests(h.hexdigest())
+
+    def replicas_agree(self, digests: list[str]) -> Optional[bool]:
+        """Whether the ranks' `replica_digests` show the same model (None: nothing is replicated)."""
+        return len(set(digests)) == 1
+
+    def gather_digests(self, mine: str) -> list[str]:
         digests = [None] * self.world_size
         if self.world_size > 1:
-            dist.all_gather_object(digests, h.hexdigest())
+            dist.all_gather_object(digests, mine)
         else:
-            digests = [h.hexdigest()]
+            digests = [mine]
         return digests
 
     # ---- checkpoints: the strategy writes/reads the model and optimizer files in a checkpoint folder

@@ -10,6 +10,7 @@ a checkpoint saved with N ranks loads with M.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 from typing import ContextManager, Iterator
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from ..recipe.blocks import FSDPOptions
 from ..runtime.model import build_model
-from .base import Strategy
+from .base import Strategy, hash_tensor
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -145,6 +146,42 @@ class FSDPStrategy(Strategy):
 
         for p in model.parameters():
             yield p.full_tensor().detach() if isinstance(p, DTensor) else p.detach()
+
+    def replica_digests(self, model: nn.Module) -> list[str]:
+        """FSDP keeps one copy of each parameter element (rank r holds chunk r of dim 0), so there is
+        no parameter replica to compare. What must agree:
+
+        - the replicated state: parameters that are not sharded and every buffer (FSDP2 does not
+          synchronise buffers such as BatchNorm statistics), hashed as each rank holds them;
+        - the shards with the model each rank sees: rank 0 gathers every rank's raw local shard
+          (`to_local()`, pickled to it, not through FSDP's all-gather) and reassembles each
+          parameter; every rank all-gathers the full parameters (`full_tensor()`) as training does.
+          Each rank's digest covers its replicated state and the full parameters it computed; rank
+          0's uses its reassembly instead, so a shard that does not sit where the layout says, or an
+          all-gather that does not reproduce the shards, shows as a mismatch.
+        """
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Shard
+
+        h = hashlib.sha256()
+        shards, full = [], []
+        for name, p in model.named_parameters():
+            if isinstance(p, DTensor):
+                shards.append((name, p.to_local().detach().cpu(), tuple(p.placements) == (Shard(0),)))
+                full.append((name, p.full_tensor().detach()))
+            else:
+                hash_tensor(h, name, p)
+        for name, b in model.named_buffers():
+            hash_tensor(h, name, b)
+        if self.world_size > 1:
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(shards, gathered, dst=0)
+            if self.rank == 0:
+                full = [(name, torch.cat([g[i][1] for g in gathered]) if dim0 else t)
+                        for i, ((name, t), (_, _, dim0)) in enumerate(zip(full, shards))]
+        for name, t in full:
+            hash_tensor(h, name, t)
+        return self.gather_digests(h.hexdigest())
 
     # ---- checkpoints: torch.distributed.checkpoint, every rank writes its own shards
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

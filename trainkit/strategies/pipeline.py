@@ -22,7 +22,7 @@ from ..recipe.blocks import PipelineOptions
 from ..recipe.problems import did_you_mean
 from ..runtime.files import fsync_save
 from ..runtime.model import build_model
-from .base import Strategy
+from .base import Strategy, hash_tensor
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -249,21 +249,20 @@ class PipelineStrategy(Strategy):
         raise NotImplementedError("evaluation is not supported by the pipeline strategy yet")
 
     def replica_digests(self, model: nn.Module) -> list[str]:
-        """Stages differ by design: each rank reports the digest of the whole model (all stages)."""
+        """Each rank's digest of the stages it owns (stage index, names and bytes). Every stage has
+        exactly one owner, so the digests differ by design and nothing is compared (see
+        `replicas_agree`); they identify each stage's final weights in summary.json."""
         import hashlib
 
-        parts = [None] * self.world_size
         h = hashlib.sha256()
         for stage_id, m in zip(self.stage_ids, self.modules):
             for k, v in sorted(m.model_state_dict().items()):
-                h.update(f"{stage_id}:{k}".encode())
-                h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        if self.world_size > 1:
-            dist.all_gather_object(parts, h.hexdigest())
-        else:
-            parts = [h.hexdigest()]
-        whole = hashlib.sha256("".join(parts).encode()).hexdigest()
-        return [whole] * self.world_size
+                hash_tensor(h, f"{stage_id}:{k}", v)
+        return self.gather_digests(h.hexdigest())
+
+    def replicas_agree(self, digests: list[str]) -> None:
+        """No replicas: pipeline stages are not copies of each other."""
+        return None
 
     # ---- checkpoints: one file per stage (its blocks and its optimizer state), written by its rank
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
