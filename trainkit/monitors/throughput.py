@@ -66,7 +66,7 @@ def peak_flops(device: torch.device, precision: str, tf32: bool = False) -> Opti
 def count_step_flops(recipe, strategy=None) -> Optional[float]:
     """FLOPs of one forward+backward of one micro-batch on this rank, on the meta device. A strategy
     that splits the model across ranks (pipeline) credits each rank with its own part
-    (`flops_of_rank`); otherwise every rank runs the whole model."""
+    (`Strategy.flops_of_rank`); otherwise every rank runs the whole model."""
     from torch.utils.flop_counter import FlopCounterMode
 
     shape = getattr(recipe.data, "shape", None)
@@ -78,9 +78,9 @@ def count_step_flops(recipe, strategy=None) -> Optional[float]:
         with torch.device("meta"):
             model = build_model(recipe.model.model_copy(update={"weights": None}))
             x = torch.empty(recipe.data.batch_size, *shape)
-            of_rank = getattr(strategy, "flops_of_rank", None)  # optional part of the strategy interface
+            of_rank = strategy.flops_of_rank(model, x)
             if of_rank is not None:
-                return float(of_rank(model, x))
+                return float(of_rank)
             counter = FlopCounterMode(display=False)
             with counter:
                 model(x).float().sum().backward()
@@ -96,7 +96,7 @@ class ThroughputMonitor(Monitor):
         self.flops: Optional[float] = None
         perf = getattr(ctx.recipe, "performance", None)
         self.peak = peak_flops(ctx.device, ctx.recipe.precision, tf32=bool(perf and perf.tf32))
-        self.per_rank_flops = hasattr(ctx.strategy, "flops_of_rank")  # ranks do different work
+        self.per_rank_flops = ctx.strategy.splits_model  # ranks do different work
 
     def on_run_start(self) -> None:
         if self.ctx.rank == 0 or self.per_rank_flops:

@@ -43,6 +43,8 @@ class Strategy:
     # A checkpoint saved by N ranks loads on M ranks (replicated state, or DCP-sharded state that DCP
     # reshards); False where the files are per-rank partitions of a fixed layout.
     reshards_on_load: bool = True
+    # Ranks hold different parts of the model (pipeline stages): MFU credits each rank with its own FLOPs.
+    splits_model: bool = False
 
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
@@ -173,6 +175,12 @@ class Strategy:
 
     def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
+
+    def flops_of_rank(self, model: nn.Module, x: torch.Tensor) -> Optional[float]:
+        """FLOPs of one forward + backward of one micro-batch on this rank, where ranks do different
+        work (`splits_model`); None means every rank runs the whole model. `model` is the unsplit
+        model (e.g. on the meta device)."""
+        return None
 
     # ---- class-level hooks used before launch and after training
     @classmethod

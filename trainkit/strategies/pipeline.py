@@ -156,6 +156,7 @@ class StageModule(nn.Module):
 # --------------------------------------------------------------------------- the strategy
 class PipelineStrategy(Strategy):
     reshards_on_load = False  # stage files follow the stage count, which is the world size
+    splits_model = True
     options: PipelineOptions
 
     @property
