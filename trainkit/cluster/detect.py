@@ -81,7 +81,7 @@ def kind_of(env: Mapping[str, str]) -> str:
     if inside_torchrun(env):
         return "none"
     pet = "PET_NNODES" in env or "PET_NODE_RANK" in env
-    if pet and "MASTER_ADDR" not in env and "WORLD_SIZE" not in env:
+    if pet and "MASTER_ADDR" not in env and "WORLD_SIZE" not in env and "PET_RDZV_ENDPOINT" not in env:
         return "trainer-v2"
     if pet:
         return "kubeflow-v1.9"
