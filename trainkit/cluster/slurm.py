@@ -20,7 +20,7 @@ class SlurmError(Exception):
 
 def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, partition: Optional[str] = None,
                   time: Optional[str] = None, gpus_per_node: Optional[int] = None,
-                  cpus_per_task: Optional[int] = None, trainkit: str = "trainkit") -> str:
+                  cpus_per_task: Optional[int] = None, trainkit: Sequence[str] = ("trainkit",)) -> str:
     """The script text. Raises SlurmError for GPUs on a gloo recipe or an elastic node count."""
     recipe = resolved.recipe
     la = recipe.launch
@@ -60,6 +60,6 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
               f"mkdir -p {shlex.quote(str(logs))}",
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}",
               f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output={shlex.quote(str(logs))}/%j.%t.log "
-              + shlex.join([trainkit, "run", recipe_path, *overrides]),
+              + shlex.join([*trainkit, "run", recipe_path, *overrides]),
               ""]
     return "\n".join(lines)
