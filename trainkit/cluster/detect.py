@@ -304,6 +304,8 @@ def apply(recipe: Recipe, detected: Detected) -> Recipe:
     if not detected.found:
         return recipe
     update = {k: v for k, v in detected.values.items() if k in TOPOLOGY + ("nproc_per_node",)}
+    if recipe.launch.rdzv_backend == "c10d":
+        update.pop("node_rank", None)  # c10d orders the nodes itself; torchrun warns about --node-rank
     if update.get("nnodes") in (1, "1", "1:1") and "rdzv_endpoint" in update and \
             "rdzv_endpoint" not in recipe.launch.model_fields_set:
         update.pop("rdzv_endpoint")  # one node: torchrun --standalone, no rendezvous to meet at
