@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trainkit"
 
 LAYERS = [  # (module prefix, layer); the longest matching prefix wins
     ("trainkit", 1), ("trainkit.registry", 1), ("trainkit.models", 1),
-    ("trainkit.recipe", 2),
+    ("trainkit.recipe", 2), ("trainkit.cluster", 2),
     ("trainkit.runtime", 3),
     ("trainkit.strategies", 4), ("trainkit.monitors", 4), ("trainkit.tracking", 4),
     ("trainkit.runtime.worker", 5), ("trainkit.doctor", 5),

@@ -147,6 +147,42 @@ trainkit doctor recipes/ddp-mlp.yaml launch.nproc_per_node=8 --format json""")
     p.add_argument("--format", choices=["text", "json"], default="text", help="text for people, json for CI")
     p.set_defaults(func=cmd_doctor)
 
+    p = _command(sub, "k8s", "write a Kubeflow PyTorchJob (and the recipe's ConfigMap) for a recipe",
+                 "Write a Kubeflow training-operator v1 PyTorchJob (Master + Workers, restartPolicy OnFailure) and "
+                 "a ConfigMap holding the recipe. MLflow credentials come only from a referenced Secret. See "
+                 "docs/clusters.md.",
+                 """
+trainkit k8s recipes/resnet152.yaml launch.nnodes=4 --image registry/trainkit:latest --run-dir-pvc runs -o job.yaml
+trainkit k8s recipes/resnet152.yaml --image registry/trainkit:latest --apply""")
+    p.add_argument("recipe", metavar="RECIPE")
+    _add_overrides(p)
+    p.add_argument("--image", required=True, help="container image with trainkit installed")
+    p.add_argument("--namespace", help="Kubernetes namespace")
+    p.add_argument("--gpus-per-node", type=int, help="nvidia.com/gpu per pod (default: nproc_per_node with nccl)")
+    p.add_argument("--run-dir-pvc", metavar="NAME", help="PersistentVolumeClaim for the run directory (shared storage)")
+    p.add_argument("--mlflow-secret", default="mlflow-credentials", metavar="NAME",
+                   help="Secret with the MLflow username/password keys (referenced, never inlined)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the manifest here (default: stdout)")
+    p.add_argument("--dry-run", action="store_true", help="print the manifest only, even with --apply")
+    p.add_argument("--apply", action="store_true", help="kubectl apply it (needs kubectl on PATH)")
+    p.set_defaults(func=cmd_k8s)
+
+    p = _command(sub, "slurm", "write an sbatch script that runs a recipe on a SLURM allocation",
+                 "Write an sbatch script: one srun task per node runs `trainkit run`, which starts the local "
+                 "workers; the rendezvous is the allocation's first node; --requeue plus resume: auto continue "
+                 "a preempted job. See docs/clusters.md.",
+                 """
+trainkit slurm recipes/resnet152.yaml launch.nnodes=2 --partition gpu --time 24:00:00 -o train.sbatch
+sbatch train.sbatch""")
+    p.add_argument("recipe", metavar="RECIPE")
+    _add_overrides(p)
+    p.add_argument("--partition", help="#SBATCH --partition")
+    p.add_argument("--time", help="#SBATCH --time, e.g. 24:00:00")
+    p.add_argument("--gpus-per-node", type=int, help="#SBATCH --gpus-per-node (default: nproc_per_node with nccl)")
+    p.add_argument("--cpus-per-task", type=int, help="#SBATCH --cpus-per-task")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
+    p.set_defaults(func=cmd_slurm)
+
     p = _command(sub, "export", "write a checkpoint's model as one consolidated state_dict file (any strategy)",
                  "Consolidate a checkpoint written by any strategy (DDP, FSDP, DeepSpeed, pipeline) into one "
                  "state_dict file that torch.load and model.load_state_dict read.",
@@ -344,6 +380,61 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         out = doctor.table(checks, f"trainkit doctor: {args.recipe or 'this machine (no recipe)'}")
     print(resolved.redact_text(out) if resolved else out)
     return EXIT_FAILED if doctor.exit_code(checks) else EXIT_OK
+
+
+def _write_or_print(text: str, output: Optional[str]) -> None:
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text)
+        print(f"trainkit: wrote {output}", file=sys.stderr)
+    else:
+        print(text, end="")
+
+
+def cmd_k8s(args: argparse.Namespace) -> int:
+    import re
+    import shutil
+    import subprocess
+
+    from .cluster.k8s import pytorchjob
+    from .recipe import resolve
+
+    if args.namespace and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
+        print(f"trainkit: --namespace {args.namespace!r} is not a valid Kubernetes namespace (lowercase letters, "
+              f"digits and '-', at most 63)", file=sys.stderr)
+        return EXIT_INVALID
+    if args.gpus_per_node is not None and args.gpus_per_node < 0:
+        print("trainkit: --gpus-per-node must be 0 or more", file=sys.stderr)
+        return EXIT_INVALID
+    resolved = resolve(args.recipe, args.overrides)
+    manifest = pytorchjob(resolved, args.recipe, image=args.image, namespace=args.namespace,
+                          gpus_per_node=args.gpus_per_node, run_dir_pvc=args.run_dir_pvc,
+                          mlflow_secret=args.mlflow_secret)
+    for note in manifest.notes:
+        print(f"trainkit: note: {note}", file=sys.stderr)
+    _write_or_print(manifest.text(), args.output)
+    if args.apply and not args.dry_run:
+        if not shutil.which("kubectl"):
+            print("trainkit: --apply needs kubectl on PATH; apply the manifest yourself: kubectl apply -f FILE",
+                  file=sys.stderr)
+            return EXIT_INVALID
+        return subprocess.run(["kubectl", "apply", "-f", "-"], input=manifest.text(), text=True).returncode
+    return EXIT_OK
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from .cluster.slurm import SlurmError, sbatch_script
+    from .recipe import resolve
+
+    resolved = resolve(args.recipe, args.overrides)
+    try:
+        script = sbatch_script(resolved, args.recipe, args.overrides, partition=args.partition, time=args.time,
+                               gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task)
+    except SlurmError as err:
+        print(f"trainkit: {err}; nothing written", file=sys.stderr)
+        return EXIT_INVALID
+    _write_or_print(script, args.output)
+    return EXIT_OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import data, devices, network, resources, versions
+from . import cluster, data, devices, network, resources, versions
 from .check import Check
 
 CheckFn = Callable[[object], Optional[Check]]
@@ -29,6 +29,7 @@ CHECKS: list[Entry] = [
     Entry("NCCL", versions.nccl),
     Entry("DeepSpeed", versions.deepspeed),
     Entry("GPUs", devices.gpus, devices.gpus),
+    Entry("cluster", cluster.environment),  # `trainkit run` reports the same detection itself
     Entry("master port", network.master_port, network.master_port),
     Entry("rendezvous", network.rendezvous),  # may wait CONNECT_TIMEOUT_S; nodes start in any order
     Entry("socket ifname", network.socket_ifname, network.socket_ifname),
@@ -43,6 +44,7 @@ def run_checks(resolved=None, fast_only: bool = False) -> list[Check]:
     """Every applicable check, in table order. A check that crashes becomes a warn row: the doctor
     must report on a broken machine, not die on it."""
     out: list[Check] = []
+    resolved = cluster.applied(resolved)  # a PyTorchJob pod or SLURM step decides the rendezvous: check that one
     for entry in CHECKS:
         fn = entry.quick if fast_only else entry.run
         if fn is None:

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .. import doctor
+from .. import cluster, doctor
 from ..recipe import drift, secrets
 from ..recipe.launch_plan import FATAL_FILE, run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
@@ -126,6 +126,9 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
 def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_changes: bool = False) -> int:
     """Validate runtime inputs, take the run directory, create this launch's record, train.
     Returns the process exit code. Nothing is written before the checks pass."""
+    resolved, detected = _with_cluster(resolved)
+    if detected is None:
+        return 2
     code = _check_before_launch(resolved, recipe_path)
     if code:
         return code
@@ -147,9 +150,29 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
                   f"{got.reason}", file=sys.stderr, flush=True)
         if got.how != "joined":  # we are the only launch here: a run left open by a dead one is closed now
             finalize_dead_launch(lock.folder, announce=True)
-        return _launch(resolved, recipe_path, overrides, accept_changes)
+        return _launch(resolved, recipe_path, overrides, accept_changes,
+                       tracking_job=lock.job if detected.found else None,
+                       wait_for_run_s=60.0 if detected.values.get("node_rank") not in (None, 0) else 0.0)
     finally:
         lock.release()
+
+
+def _with_cluster(resolved):
+    """A PyTorchJob pod or a SLURM step decides nnodes, node_rank and the rendezvous (docs/clusters.md):
+    returns (resolved with those values, what was detected), or (resolved, None) after printing why
+    the launch cannot start."""
+    import torch  # the GPUs this node's workers will see
+
+    try:
+        detected = cluster.detect_here(resolved, gpus=torch.cuda.device_count())
+    except cluster.ClusterError as err:
+        print(f"trainkit: not started: {resolved.redact_text(str(err))}", file=sys.stderr, flush=True)
+        return resolved, None
+    if detected.found:
+        print(resolved.redact_text(detected.announcement()), flush=True)
+        for note in detected.notes:
+            print(f"trainkit: note: {note}", flush=True)
+    return cluster.applied(resolved, detected), detected
 
 
 def _check_before_launch(resolved, recipe_path: str) -> int:
@@ -169,7 +192,8 @@ def _check_before_launch(resolved, recipe_path: str) -> int:
     return 0
 
 
-def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes: bool) -> int:
+def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes: bool,
+            tracking_job: Optional[str] = None, wait_for_run_s: float = 0.0) -> int:
     recipe = resolved.recipe
     from . import resume_check  # torch (checkpoint files): imported where the work is
 
@@ -184,7 +208,7 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
     print(f"trainkit: run {recipe.name}: {recipe.world_size or recipe.launch.nnodes} process(es)"
           f"{' in-process' if in_process else ''}, run dir {run_dir}", flush=True)
     environment = json.loads((launch_dir / "environment.json").read_text())
-    where = tracking.open_run(resolved, run_dir, launch_dir, environment)
+    where = tracking.open_run(resolved, run_dir, launch_dir, environment, job=tracking_job, wait_s=wait_for_run_s)
     if where and decision.accepted:
         tracking.continue_in_new_run(run_dir, decision.step, resolved.redacted(), drift.summary(decision.accepted))
     delivery = None

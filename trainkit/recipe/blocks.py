@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                      field_validator)
 
 
 class Block(BaseModel):
@@ -262,6 +263,9 @@ class TrainerOptions(Block):
 class LaunchOptions(Block):
     nproc_per_node: PositiveInt = Field(default=1, description="worker processes per node (one per GPU)")
     nnodes: Union[PositiveInt, str] = Field(default=1, description="nodes, or 'MIN:MAX' for elastic")
+    cluster: Literal["auto", "none", "kubeflow", "slurm"] = Field(
+        default="auto", description="auto: a PyTorchJob pod or a SLURM step sets nnodes, node_rank and the rendezvous "
+                                    "(docs/clusters.md); none: only the recipe's values")
     node_rank: Optional[NonNegativeInt] = Field(default=None, description="static rendezvous only")
     max_restarts: NonNegativeInt = Field(default=0, description="group restarts after a worker failure")
     rdzv_backend: Literal["c10d", "static"] = Field(default="c10d", description="rendezvous backend")
@@ -271,6 +275,14 @@ class LaunchOptions(Block):
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl with CUDA, else gloo")
     timeout_s: PositiveInt = Field(default=600, description="collective timeout")
     run_dir: str = Field(default="runs", description="parent folder of run directories")
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _whole_number_text(cls, value: Any) -> Any:
+        """`${oc.env:WORLD_SIZE}` interpolates to the text '3': a whole number is a number here too."""
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value.strip())
+        return value
 
 
 class PerformanceOptions(Block):

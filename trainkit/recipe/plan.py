@@ -7,12 +7,22 @@ from typing import Sequence
 
 import yaml
 
-from .. import registry
+from .. import cluster, registry
 from .launch_plan import torchrun_command
 from .resolver import Resolved
 
 
+def _cluster_lines(resolved: Resolved) -> tuple[Resolved, list[str]]:
+    """What `trainkit run` would take from this environment (a PyTorchJob pod, a SLURM step)."""
+    try:
+        detected = cluster.detect_here(resolved)
+    except cluster.ClusterError as err:
+        return resolved, [f"cluster:         cannot start here: {err}"]
+    return cluster.applied(resolved, detected), detected.lines()
+
+
 def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> str:
+    resolved, detected = _cluster_lines(resolved)
     r = resolved.recipe
     lines = ["# resolved recipe (secrets from the environment shown as ***)",
              yaml.safe_dump(resolved.redacted(), sort_keys=False).rstrip(), "", "# what it implies"]
@@ -32,6 +42,7 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> 
     else:
         lines.append("steps per epoch: unknown until the data is read")
     lines.append(f"precision:       {r.precision}   strategy: {r.strategy.name}")
+    lines += detected
     lines += _strategy_lines(r)
     lines.append(f"files:           {', '.join(resolved.files)}")
     lines += ["", *_launch_lines(r)]

@@ -130,7 +130,7 @@ def multi_node_needs_rendezvous(r: Recipe) -> Iterator[Finding]:
             yield ("launch", "nnodes"), f"got '{nnodes}'; use a number or 'MIN:MAX' with 0 < MIN <= MAX, e.g. '1:4'"
             return
     multi = not (nnodes == 1 or nnodes == "1:1")
-    if multi and l.rdzv_endpoint is None:
+    if multi and l.rdzv_endpoint is None and l.cluster == "none":  # otherwise a cluster may supply it at run time
         yield ("launch", "rdzv_endpoint"), "several nodes need a rendezvous endpoint HOST:PORT reachable from all of them"
     if l.rdzv_endpoint is not None and not _host_port(l.rdzv_endpoint):
         yield ("launch", "rdzv_endpoint"), f"got '{l.rdzv_endpoint}'; expected HOST:PORT, e.g. node0.cluster:29400"

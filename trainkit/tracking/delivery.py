@@ -128,8 +128,8 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             exp_id = ensure_experiment(client, r["experiment"], uri)
             key = r.get("key")
             found = []
-            if key and state.get("uncertain"):  # an earlier attempt may have created it server-side
-                found = client.search_runs([exp_id], filter_string=f"tags.`trainkit.run_key` = '{key}'")
+            if key and (state.get("uncertain") or r.get("join")):  # created server-side already (an earlier
+                found = _find_run(client, exp_id, key, r)  # attempt, or another node of the same job)
             if found:
                 run = found[0]
             else:
@@ -162,6 +162,18 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             client.update_run(run_id, status="RUNNING")
         else:
             client.set_terminated(run_id, chunk[0]["status"], end_time=chunk[0].get("ts"))
+
+
+def _find_run(client, exp_id: str, key: str, record: dict) -> list:
+    """The run with this key; for a job's nodes only a RUNNING one, waiting up to record['wait_s']
+    for the first node to create it."""
+    query = f"tags.`trainkit.run_key` = '{key}'" + (" and attributes.status = 'RUNNING'" if record.get("join") else "")
+    deadline = time.monotonic() + float(record.get("wait_s") or 0.0)
+    while True:
+        found = client.search_runs([exp_id], filter_string=query)
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(1.0)
 
 
 NOT_COPIED_TAGS = ("mlflow.runName", "trainkit.run_key", "trainkit.superseded_by", "trainkit.status_reason",

@@ -11,6 +11,7 @@ tags linking the two (see `MlflowSink.rewind` and delivery's `rewind`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -73,10 +74,16 @@ def run_tags(recipe, environment: dict) -> dict[str, str]:
     return tags
 
 
-def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Optional[str]:
+def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: Optional[str] = None,
+             wait_s: float = 0.0) -> Optional[str]:
     """Spool the run's creation (first launch) or its continuation and deliver it now, so the store
     and the run exist before any worker starts (and MLflow's one-off import and schema work do not
     compete with training). Workers only ever append to the spool.
+
+    `job`: the scheduler job this launch belongs to (a PyTorchJob, a SLURM job). Each node's launcher
+    then joins the one RUNNING run of that job (found by a key derived from it), so nodes without a
+    shared run directory still make one run; `wait_s`: how long a non-first node waits for the first
+    node to create it before creating it itself.
 
     Returns a one-line description of where tracking goes, or None when tracking is disabled.
     """
@@ -86,7 +93,9 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict) -> Op
     spool = Spool(run_dir)
     uri = credentials.adopt(recipe.tracking.uri) if recipe.tracking.uri else default_uri()
     experiment = resolved.redact_text(recipe.tracking.experiment)
-    create = [{"op": "create", "uri": uri, "experiment": experiment, "key": uuid.uuid4().hex,
+    key = hashlib.sha256(f"{job}\n{experiment}\n{recipe.name}".encode()).hexdigest()[:32] if job else uuid.uuid4().hex
+    create = [{"op": "create", "uri": uri, "experiment": experiment, "key": key,
+               **({"join": True, "wait_s": float(wait_s)} if job else {}),
                "run_name": resolved.redact_text(recipe.tracking.run_name or recipe.name), "ts": _now_ms(),
                "tags": run_tags(recipe, environment)},
               {"op": "params", "params": flatten(resolved.redacted())}]

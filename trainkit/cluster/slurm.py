@@ -1,0 +1,65 @@
+"""`trainkit slurm`: an sbatch script for a recipe.
+
+One srun task per node runs `trainkit run`; trainkit's launcher starts that node's workers and
+detection (detect.py) takes nnodes, node_rank and the c10d endpoint (the allocation's first node)
+from SLURM's variables. `--requeue` plus `resume: auto` continue a preempted job from its newest
+checkpoint. Logs go into the run directory.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Optional, Sequence
+
+from ..recipe.launch_plan import run_dir_for
+
+
+class SlurmError(Exception):
+    """The request cannot make a working job (exit 2)."""
+
+
+def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, partition: Optional[str] = None,
+                  time: Optional[str] = None, gpus_per_node: Optional[int] = None,
+                  cpus_per_task: Optional[int] = None, trainkit: Sequence[str] = ("trainkit",)) -> str:
+    """The script text. Raises SlurmError for GPUs on a gloo recipe or an elastic node count."""
+    recipe = resolved.recipe
+    la = recipe.launch
+    if isinstance(la.nnodes, str):
+        raise SlurmError(f"launch.nnodes {la.nnodes!r} is elastic; a SLURM allocation has a fixed node count: "
+                         f"pass launch.nnodes=N")
+    if gpus_per_node is None:
+        gpus_per_node = la.nproc_per_node if la.backend == "nccl" else 0
+    if gpus_per_node and la.backend == "gloo":
+        raise SlurmError(f"--gpus-per-node {gpus_per_node} but launch.backend is gloo (CPU collectives): the GPUs "
+                         f"would sit idle; drop --gpus-per-node, or set launch.backend=nccl (or auto)")
+    if gpus_per_node and la.nproc_per_node > gpus_per_node:
+        raise SlurmError(f"launch.nproc_per_node {la.nproc_per_node} exceeds --gpus-per-node {gpus_per_node}")
+    run_dir = run_dir_for(recipe)
+    logs = run_dir / "slurm"
+    cpus = cpus_per_task or max(1, la.nproc_per_node * max(1, (recipe.data.num_workers or 0) + 1))
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name={recipe.name}",
+             f"#SBATCH --nodes={la.nnodes}",
+             "#SBATCH --ntasks-per-node=1",
+             f"#SBATCH --cpus-per-task={cpus}"]
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if time:
+        lines.append(f"#SBATCH --time={time}")
+    lines += ["#SBATCH --requeue",
+              f"#SBATCH --output={recipe.name}-%j.out",  # the folder must exist at submission: the current one
+              "#SBATCH --open-mode=append",
+              "#",
+              f"# Written by `trainkit slurm {shlex.join([recipe_path, *overrides])}`. One task per node: trainkit's",
+              "# launcher starts that node's workers; nnodes, node_rank and the c10d rendezvous (the first node of",
+              "# the allocation) come from SLURM's variables (docs/clusters.md). --requeue + trainer.resume: auto",
+              "# continue a preempted job from its newest checkpoint. The run directory must be on shared storage.",
+              "set -euo pipefail",
+              f"mkdir -p {shlex.quote(str(logs))}",
+              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}",
+              f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output={shlex.quote(str(logs))}/%j.%t.log "
+              + shlex.join([*trainkit, "run", recipe_path, *overrides]),
+              ""]
+    return "\n".join(lines)
