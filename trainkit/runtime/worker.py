@@ -306,5 +306,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             signal.signal(s, handler)
     return 0
 
+
+def _exit_without_finalization(code: int) -> None:
+    """Leave a finished worker at once. Every output is written and the process group destroyed by
+    now; what is left is interpreter finalization, during which gloo's C++ threads can still release
+    Python objects and abort the process ("terminate called without an active exception", SIGABRT:
+    seen here now and then under CPU load, and the reason pytorch/pytorch#179291 was opened). A rank
+    that aborts there would turn a finished run into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_without_finalization(main())
