@@ -156,3 +156,76 @@ def test_plan_shows_what_was_detected_and_where_from(tmp_path, monkeypatch):
     text = describe(recipe(tmp_path), "det.yaml", [])
     assert "Kubeflow PyTorchJob pod" in text and "WORLD_SIZE=4 (pods)" in text
     assert "--rdzv-endpoint=pytorchjob-abc-master-0:23456" in text
+
+
+# --------------------------------------------------------------------------- Kubeflow Trainer v2 (TrainJob)
+# exactly what the v2.3.0 torch plugin injects (pkg/runtime/framework/plugins/torch/torch.go), nothing else
+TRAINER_V2_NODE1 = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+                    "PET_MASTER_ADDR": "train-mlp-node-0-0.train-mlp", "PET_MASTER_PORT": "29500",
+                    "HOSTNAME": "train-mlp-node-0-1", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+
+
+def test_trainer_v2_and_v19_pytorchjob_are_told_apart_by_master_addr_and_world_size():
+    assert kind_of(TRAINER_V2_NODE1) == "trainer-v2"
+    assert kind_of(dict(TRAINER_V2_NODE1, MASTER_ADDR="x")) == "kubeflow-v1.9"
+    assert kind_of(dict(TRAINER_V2_NODE1, WORLD_SIZE="2")) == "kubeflow-v1.9"
+    assert kind_of(dict(TRAINER_V2_NODE1, LOCAL_RANK="0")) == "none"  # a worker under torchrun
+
+
+def test_trainer_v2_rendezvous_id_is_the_trainjob_name(tmp_path):
+    r = recipe(tmp_path, nproc_per_node=1).recipe
+    d = detect(TRAINER_V2_NODE1, r)
+    assert d.values == {"nnodes": 2, "node_rank": 1, "nproc_per_node": 1, "rdzv_endpoint":
+                        "train-mlp-node-0-0.train-mlp:29500", "rdzv_id": "train-mlp"}
+    assert d.sources["rdzv_id"].startswith("PET_MASTER_ADDR=") and d.sources["nnodes"] == "PET_NNODES=2"
+    by_hostname = {k: v for k, v in TRAINER_V2_NODE1.items() if k != "PET_MASTER_ADDR"}
+    by_hostname["PET_MASTER_ADDR"] = "10.0.0.7"  # an address the name cannot be read from
+    d = detect(by_hostname, r)
+    assert d.values["rdzv_id"] == "train-mlp" and d.sources["rdzv_id"].startswith("HOSTNAME=")
+    anonymous = dict(by_hostname, HOSTNAME="box")
+    assert "rdzv_id" not in detect(anonymous, r).values
+    assert any("no TrainJob name" in n for n in detect(anonymous, r).notes)
+
+
+def test_plan_shows_a_trainjob_pods_values_and_their_sources(tmp_path, monkeypatch):
+    from trainkit.recipe.plan import describe
+
+    for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "WORLD_SIZE", "RANK", "JOBSET_NAME",
+              "TRAINKIT_JOB_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in TRAINER_V2_NODE1.items():
+        monkeypatch.setenv(k, v)
+    text = describe(recipe(tmp_path, nproc_per_node=1), "det.yaml", [])
+    assert "Kubeflow Trainer v2 TrainJob pod" in text and "(PET_NNODES=2)" in text
+    assert "rdzv_id:        train-mlp  (PET_MASTER_ADDR=" in text
+    assert "--rdzv-endpoint=train-mlp-node-0-0.train-mlp:29500" in text
+
+
+def test_launch_cluster_trainjob_requires_a_trainjob_pod(tmp_path):
+    with pytest.raises(ClusterError, match="launch.cluster is trainjob but this is a Kubeflow PyTorchJob pod"):
+        detect(V19_WORKER, recipe(tmp_path, "launch.cluster=trainjob").recipe)
+    with pytest.raises(ClusterError, match="launch.cluster is trainjob but PET_NNODES"):
+        detect({}, recipe(tmp_path, "launch.cluster=trainjob").recipe)
+
+
+def test_a_recipe_written_for_a_trainjob_must_match_its_node_count(tmp_path):
+    """`trainkit k8s --api trainjob` ships the recipe with launch.cluster: trainjob and its nnodes: a TrainJob
+    whose numNodes differs is refused; under auto the TrainJob's count replaces the recipe's, as elsewhere."""
+    mine = recipe(tmp_path, cluster="trainjob", nnodes=4, nproc_per_node=1).recipe
+    with pytest.raises(ClusterError, match=r"launch.nnodes 4 \(recipe, launch.cluster: trainjob\) contradicts this "
+                                           r"TrainJob: PET_NNODES=2"):
+        detect(TRAINER_V2_NODE1, mine)
+    assert detect(TRAINER_V2_NODE1, recipe(tmp_path, cluster="trainjob", nnodes=2, nproc_per_node=1).recipe).found
+    assert detect(TRAINER_V2_NODE1, recipe(tmp_path, cluster="trainjob", nnodes="1:3", nproc_per_node=1).recipe).found
+    d = detect(TRAINER_V2_NODE1, recipe(tmp_path, nnodes=4, nproc_per_node=1).recipe)
+    assert d.values["nnodes"] == 2 and d.replaced == ["nnodes 4"]
+
+
+def test_trainkit_run_refuses_a_trainjob_with_another_node_count(tmp_path):
+    from run_helpers import trainkit
+
+    path = mlp_recipe(tmp_path, "tj", launch={"run_dir": str(tmp_path / "runs"), "cluster": "trainjob", "nnodes": 4,
+                                              "nproc_per_node": 1})
+    r = trainkit(tmp_path, "run", str(path), timeout=120, **TRAINER_V2_NODE1)
+    assert r.returncode == 2, r.output
+    assert "contradicts this TrainJob: PET_NNODES=2" in r.stderr and not (tmp_path / "runs").exists()

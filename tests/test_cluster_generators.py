@@ -1,8 +1,10 @@
-"""`trainkit k8s` and `trainkit slurm`: the files they write, checked against the PyTorchJob CRD and
-by bash, and the requests they refuse (exit 2, nothing written)."""
+"""`trainkit k8s` and `trainkit slurm`: the files they write, checked against the Kubeflow CRDs (PyTorchJob,
+Trainer v2 TrainJob and ClusterTrainingRuntime) and by bash, and the requests they refuse (exit 2, nothing
+written)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,12 +16,30 @@ from run_helpers import mlp_recipe, trainkit
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CRD = SHARED / "k8s" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
+CRDS = {"PyTorchJob": CRD, "TrainJob": SHARED / "k8s" / "trainer.kubeflow.org_trainjobs.v2.3.0.yaml",
+        "ClusterTrainingRuntime": SHARED / "k8s" / "trainer.kubeflow.org_clustertrainingruntimes.v2.3.0.yaml"}
+_schemas: dict[str, dict] = {}
 
 
-def crd_schema() -> dict:
-    if not CRD.is_file():
-        pytest.skip(f"the PyTorchJob CRD is not at {CRD} (the ../shared reference folder beside the repository)")
-    return yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+def crd_schema(kind: str = "PyTorchJob") -> dict:
+    path = CRDS[kind]
+    if not path.is_file():
+        pytest.skip(f"the {kind} CRD is not at {path} (the ../shared reference folder beside the repository)")
+    if kind not in _schemas:  # the Trainer CRDs are ~1 MB of YAML: parse each once
+        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        _schemas[kind] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return _schemas[kind]
+
+
+def validate(doc: dict) -> None:
+    """jsonschema against the CRD of doc's kind, plus the CRDs' CEL rule on metadata.name (jsonschema skips CEL)."""
+    import jsonschema
+
+    jsonschema.validate(doc, crd_schema(doc["kind"]))
+    name = doc["metadata"]["name"]
+    assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name), name
+    if doc["kind"] == "TrainJob":
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name), "TrainJob: RFC 1035 DNS label"
 
 
 def k8s_docs(tmp_path, *args) -> tuple[list[dict], str]:
@@ -95,3 +115,128 @@ def test_sbatch_refuses_gpus_for_a_gloo_recipe(tmp_path):
     recipe = mlp_recipe(tmp_path, "gl", launch={"backend": "gloo"})
     r = trainkit(tmp_path, "slurm", str(recipe), "--gpus-per-node", "2", "-o", "job.sbatch", timeout=60)
     assert r.returncode == 2 and "backend is gloo" in r.stderr and not (tmp_path / "job.sbatch").exists()
+
+
+# --------------------------------------------------------------------------- Kubeflow Trainer v2
+def trainjob_docs(tmp_path, nodes: int, gpu: bool, **options) -> tuple[dict, list[str]]:
+    """The documents `trainjob` writes for a 1/2/4-node CPU or GPU recipe, by kind."""
+    from trainkit.cluster.k8s import trainjob
+    from trainkit.recipe import resolve
+
+    launch = {"nnodes": nodes, "nproc_per_node": 4 if gpu else 2, "backend": "nccl" if gpu else "gloo"}
+    recipe = mlp_recipe(tmp_path, f"tj-{nodes}-{'gpu' if gpu else 'cpu'}", launch=launch,
+                        tracking={"enabled": True, "uri": "https://bob:pw@mlflow.example:443", "experiment": "e"})
+    manifest = trainjob(resolve(recipe), str(recipe), image="reg/trainkit:1", namespace="ml", **options)
+    return {d["kind"]: d for d in manifest.documents}, manifest.notes
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_trainjob_and_trainkit_runtime_validate_against_the_trainer_v2_crds(tmp_path, nodes, gpu):
+    docs, notes = trainjob_docs(tmp_path, nodes, gpu, with_runtime=True)
+    assert list(docs) == ["ClusterTrainingRuntime", "ConfigMap", "TrainJob"]  # the runtime first: apply order
+    for doc in docs.values():
+        if doc["kind"] != "ConfigMap":
+            validate(doc)
+    job, runtime = docs["TrainJob"], docs["ClusterTrainingRuntime"]
+    assert job["apiVersion"] == runtime["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert job["spec"]["runtimeRef"] == {"name": "trainkit-distributed"} == {"name": runtime["metadata"]["name"]}
+    trainer = job["spec"]["trainer"]
+    file = f"tj-{nodes}-{'gpu' if gpu else 'cpu'}.yaml"
+    assert trainer["numNodes"] == nodes and trainer["image"] == "reg/trainkit:1"
+    assert trainer["command"] == ["trainkit", "run", f"/recipes/{file}"]
+    assert trainer["numProcPerNode"] == (4 if gpu else 2)
+    assert trainer["resourcesPerNode"] == ({"limits": {"nvidia.com/gpu": 4}} if gpu else {"requests": {"cpu": 2}})
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["MLFLOW_TRACKING_URI"]["value"] == "https://mlflow.example:443"
+    assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-credentials"
+    assert not any(n.startswith("PET_") for n in env)  # the torch plugin rejects TrainJobs that set them
+    # the recipe: a ConfigMap mounted through the TrainJob's runtimePatches into the runtime's `node` container
+    node = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    pod = node["template"]["spec"]["template"]["spec"]
+    assert node["name"] == "node" and pod["containers"][0]["name"] == "node"
+    assert {"name": "recipe", "configMap": {"name": f"{job['metadata']['name']}-recipe"}} in pod["volumes"]
+    shipped = yaml.safe_load(docs["ConfigMap"]["data"][file])
+    assert shipped["launch"]["cluster"] == "trainjob" and shipped["launch"]["nnodes"] == nodes
+    assert shipped["launch"]["run_dir"] == "/trainkit/runs"
+    # trainkit's runtime: the torch policy, /dev/shm in memory, the run directory on the shared claim
+    assert runtime["spec"]["mlPolicy"] == {"numNodes": 1, "torch": {}}
+    rjob = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]
+    assert rjob["name"] == "node"
+    assert rjob["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    rpod = rjob["template"]["spec"]["template"]["spec"]
+    assert rpod["containers"][0]["image"] == "reg/trainkit:1"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in rpod["volumes"]
+    assert {"name": "runs", "persistentVolumeClaim": {"claimName": "trainkit-runs"}} in rpod["volumes"]
+    assert {"name": "runs", "mountPath": "/trainkit/runs"} in rpod["containers"][0]["volumeMounts"]
+    text = yaml.safe_dump_all(docs.values())
+    assert "bob" not in text and ":pw@" not in text
+    assert any("'trainkit-runs'" in n for n in notes) and any("Secret 'mlflow-credentials'" in n for n in notes)
+
+
+def test_trainjob_shipped_recipe_detects_the_shape_the_torch_plugin_gives(tmp_path):
+    """The ConfigMap's recipe in a pod with the PET_* the TrainJob makes (v2.3.0 torch plugin): nnodes,
+    nproc_per_node, the rendezvous at node 0 and the TrainJob's name as rendezvous id."""
+    from trainkit.cluster import detect
+    from trainkit.recipe import resolve
+
+    docs, _ = trainjob_docs(tmp_path, 4, True)
+    job = docs["TrainJob"]
+    name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
+    shipped = tmp_path / "shipped.yaml"
+    shipped.write_text(next(iter(docs["ConfigMap"]["data"].values())))
+    env = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+           "PET_NODE_RANK": "3", "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": "29500",
+           "HOSTNAME": f"{name}-node-0-3"}
+    d = detect(env, resolve(shipped).recipe, gpus=4)
+    assert d.kind == "trainer-v2" and not d.replaced
+    assert d.values == {"nnodes": 4, "node_rank": 3, "nproc_per_node": 4, "rdzv_endpoint": f"{name}-node-0-0.{name}:29500",
+                        "rdzv_id": name}
+
+
+def test_trainjob_on_kubeflows_torch_runtime_brings_its_own_volumes(tmp_path):
+    docs, notes = trainjob_docs(tmp_path, 2, True, runtime="torch-distributed", run_dir_pvc="runs-pvc")
+    assert list(docs) == ["ConfigMap", "TrainJob"]
+    validate(docs["TrainJob"])
+    assert docs["TrainJob"]["spec"]["runtimeRef"] == {"name": "torch-distributed"}
+    pod = (docs["TrainJob"]["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+           ["replicatedJobs"][0]["template"]["spec"]["template"]["spec"])
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "runs", "persistentVolumeClaim": {"claimName": "runs-pvc"}} in pod["volumes"]
+    assert {"name": "runs", "mountPath": "/trainkit/runs"} in pod["containers"][0]["volumeMounts"]
+    _, notes = trainjob_docs(tmp_path, 2, False, runtime="torch-distributed")
+    assert any("checkpoints live on each pod" in n for n in notes)
+
+
+def test_k8s_api_trainjob_from_the_command_line(tmp_path):
+    recipe = mlp_recipe(tmp_path, "cli-tj", launch={"nproc_per_node": 1})
+    docs, notes = k8s_docs(tmp_path, str(recipe), "launch.nnodes=2", "--api", "trainjob", "--image", "img",
+                           "--with-runtime", "--runtime", "trainkit-v1", "--run-dir-pvc", "shared-runs")
+    for doc in docs:
+        if doc["kind"] != "ConfigMap":
+            validate(doc)
+    runtime, _, job = docs
+    assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"] == "trainkit-v1"
+    assert job["spec"]["trainer"]["numNodes"] == 2
+    assert {"name": "runs", "persistentVolumeClaim": {"claimName": "shared-runs"}} in \
+        runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"]
+    assert "'shared-runs'" in notes
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--api", "trainjobs"], "did you mean 'trainjob'?"),
+    (["--api", "PyTorchJob"], "did you mean 'pytorchjob'?"),
+    (["--api", "trainjob", "--runtime", "Torch_Distributed"], "--runtime 'Torch_Distributed' is not a valid"),
+    (["--api", "trainjob", "--gpus-per-node", "2"], "launch.backend is gloo"),
+    (["--gpus-per-node", "2"], "launch.backend is gloo"),
+    (["--api", "trainjob", "launch.nnodes='2:4'"], "Kubeflow Trainer v2 has no elastic policy"),
+    (["--runtime", "torch-distributed"], "for --api trainjob"),
+    (["--api", "trainjob", "--run-dir-pvc", "x"], "pass --run-dir-pvc together with --with-runtime"),
+])
+def test_k8s_refuses_what_cannot_make_a_working_job(tmp_path, args, message):
+    recipe = mlp_recipe(tmp_path, "bad", launch={"backend": "gloo", "rdzv_endpoint": "x:1"})
+    overrides = [a for a in args if "=" in a]
+    options = [a for a in args if "=" not in a]
+    r = trainkit(tmp_path, "k8s", str(recipe), *overrides, "--image", "i", *options, "-o", "x.yaml", timeout=60)
+    assert r.returncode == 2, r.output
+    assert message in r.stderr and not (tmp_path / "x.yaml").exists()

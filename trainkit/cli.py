@@ -147,16 +147,27 @@ trainkit doctor recipes/ddp-mlp.yaml launch.nproc_per_node=8 --format json""")
     p.add_argument("--format", choices=["text", "json"], default="text", help="text for people, json for CI")
     p.set_defaults(func=cmd_doctor)
 
-    p = _command(sub, "k8s", "write a Kubeflow PyTorchJob (and the recipe's ConfigMap) for a recipe",
-                 "Write a Kubeflow training-operator v1 PyTorchJob (Master + Workers, restartPolicy OnFailure) and "
-                 "a ConfigMap holding the recipe. MLflow credentials come only from a referenced Secret. See "
-                 "docs/clusters.md.",
+    p = _command(sub, "k8s", "write a Kubeflow PyTorchJob or Trainer v2 TrainJob (and the recipe's ConfigMap)",
+                 "Write a ConfigMap holding the recipe and either a Kubeflow training-operator v1 PyTorchJob (Master "
+                 "+ Workers, restartPolicy OnFailure; --api pytorchjob, the default) or a Kubeflow Trainer v2 "
+                 "TrainJob referencing a ClusterTrainingRuntime (--api trainjob; --with-runtime also writes "
+                 "trainkit's runtime, installed once per cluster). MLflow credentials come only from a referenced "
+                 "Secret. See docs/clusters.md.",
                  """
 trainkit k8s recipes/resnet152.yaml launch.nnodes=4 --image registry/trainkit:latest --run-dir-pvc runs -o job.yaml
-trainkit k8s recipes/resnet152.yaml --image registry/trainkit:latest --apply""")
+trainkit k8s recipes/resnet152.yaml --image registry/trainkit:latest --apply
+trainkit k8s recipes/resnet152.yaml launch.nnodes=4 --api trainjob --image registry/trainkit:latest --with-runtime
+trainkit k8s recipes/resnet152.yaml --api trainjob --runtime torch-distributed --image registry/trainkit:latest""")
     p.add_argument("recipe", metavar="RECIPE")
     _add_overrides(p)
     p.add_argument("--image", required=True, help="container image with trainkit installed")
+    p.add_argument("--api", default="pytorchjob", metavar="API",
+                   help="pytorchjob (kubeflow.org/v1, training operator; default) or trainjob "
+                        "(trainer.kubeflow.org/v1alpha1, Kubeflow Trainer v2)")
+    p.add_argument("--runtime", metavar="NAME", help="trainjob: the ClusterTrainingRuntime to reference (default "
+                                                      "trainkit-distributed; torch-distributed is Kubeflow's own)")
+    p.add_argument("--with-runtime", action="store_true",
+                   help="trainjob: also write trainkit's ClusterTrainingRuntime (install it once per cluster)")
     p.add_argument("--namespace", help="Kubernetes namespace")
     p.add_argument("--gpus-per-node", type=int, help="nvidia.com/gpu per pod (default: nproc_per_node with nccl)")
     p.add_argument("--run-dir-pvc", metavar="NAME", help="PersistentVolumeClaim for the run directory (shared storage)")
@@ -396,9 +407,18 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     import shutil
     import subprocess
 
-    from .cluster.k8s import pytorchjob
+    from .cluster.k8s import APIS, K8sError, pytorchjob, trainjob
     from .recipe import resolve
+    from .recipe.problems import did_you_mean
 
+    if args.api not in APIS:
+        print(f"trainkit: --api {args.api!r} is not a Kubeflow API trainkit writes: choose "
+              f"{' or '.join(APIS)}{did_you_mean(args.api.lower(), APIS)}", file=sys.stderr)
+        return EXIT_INVALID
+    if args.api != "trainjob" and (args.runtime or args.with_runtime):
+        print(f"trainkit: --runtime and --with-runtime are for --api trainjob (a PyTorchJob references no "
+              f"runtime)", file=sys.stderr)
+        return EXIT_INVALID
     if args.namespace and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
         print(f"trainkit: --namespace {args.namespace!r} is not a valid Kubernetes namespace (lowercase letters, "
               f"digits and '-', at most 63)", file=sys.stderr)
@@ -407,9 +427,16 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         print("trainkit: --gpus-per-node must be 0 or more", file=sys.stderr)
         return EXIT_INVALID
     resolved = resolve(args.recipe, args.overrides)
-    manifest = pytorchjob(resolved, args.recipe, image=args.image, namespace=args.namespace,
-                          gpus_per_node=args.gpus_per_node, run_dir_pvc=args.run_dir_pvc,
-                          mlflow_secret=args.mlflow_secret)
+    common = dict(image=args.image, namespace=args.namespace, gpus_per_node=args.gpus_per_node,
+                  run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret)
+    try:
+        if args.api == "trainjob":
+            manifest = trainjob(resolved, args.recipe, runtime=args.runtime, with_runtime=args.with_runtime, **common)
+        else:
+            manifest = pytorchjob(resolved, args.recipe, **common)
+    except K8sError as err:
+        print(f"trainkit: {err}; nothing written", file=sys.stderr)
+        return EXIT_INVALID
     for note in manifest.notes:
         print(f"trainkit: note: {note}", file=sys.stderr)
     _write_or_print(manifest.text(), args.output)

@@ -12,7 +12,10 @@ What each environment gives (see docs/clusters.md):
 - PyTorchJob, training-operator v1.9 (kubeflow.org/v1): the same plus PET_NNODES, PET_NODE_RANK,
   PET_NPROC_PER_NODE (may be `auto`), PET_MASTER_ADDR/PORT; there WORLD_SIZE = replicas x nprocPerNode
   (pkg/controller.v1/pytorch/envvar.go), so PET_* define the topology whenever present.
-- Kubeflow Trainer v2 (TrainJob): PET_* only (no MASTER_ADDR, no WORLD_SIZE).
+- Kubeflow Trainer v2 (TrainJob, trainer.kubeflow.org/v1alpha1), torch plugin of v2.3.0: PET_* only
+  (no MASTER_ADDR, no WORLD_SIZE): PET_NNODES = trainer.numNodes, PET_NODE_RANK = the Job completion
+  index, PET_NPROC_PER_NODE (`auto` with GPUs), PET_MASTER_ADDR = `<trainjob>-node-0-0.<trainjob>`,
+  PET_MASTER_PORT = 29500.
 - SLURM (one srun task per node): SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID, SLURM_NTASKS,
   SLURM_JOB_NODELIST, SLURM_GPUS_ON_NODE.
 """
@@ -29,6 +32,9 @@ TOPOLOGY = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")  # the environmen
 SLURM_PORT_BASE = 29400  # c10d's default port; a SLURM job adds its id modulo PORT_SPREAD
 PORT_SPREAD = 1000
 POD_NAME = re.compile(r"^(?P<job>[a-z0-9]([-a-z0-9]*[a-z0-9])?)-(?P<role>master|worker)-(?P<index>\d+)$")
+# Trainer v2: the torch plugin's master address, and a JobSet pod's hostname <jobset>-<replicatedJob>-<job>-<pod>
+TRAINJOB_MASTER = re.compile(r"^(?P<job>[a-z]([-a-z0-9]*[a-z0-9])?)-node-0-0\.(?P=job)(\..*)?$")
+TRAINJOB_POD = re.compile(r"^(?P<job>[a-z]([-a-z0-9]*[a-z0-9])?)-node-\d+-\d+(-[a-z0-9]{5})?$")
 
 
 class ClusterError(Exception):
@@ -163,6 +169,11 @@ def detect(env: Mapping[str, str], recipe: Recipe, *, gpus: int = 0, overridden:
     kind = kind_of(env)
     if kind == "none" and inside_torchrun(env):
         return Detected("none", "none (already inside torchrun: LOCAL_RANK / TORCHELASTIC_RUN_ID are set)")
+    if la.cluster == "trainjob" and kind != "trainer-v2":
+        what = f"this is a {DESCRIPTIONS[kind]}" if kind != "none" else "PET_NNODES / PET_NODE_RANK are not set"
+        raise ClusterError(f"launch.cluster is trainjob but {what}: a Kubeflow Trainer v2 pod has PET_NNODES, "
+                           f"PET_NODE_RANK and PET_MASTER_ADDR and neither MASTER_ADDR nor WORLD_SIZE; submit it as a "
+                           f"TrainJob (trainkit k8s --api trainjob), or set launch.cluster=auto")
     if la.cluster == "kubeflow" and not kind.startswith(("kubeflow", "trainer")):
         raise ClusterError("launch.cluster is kubeflow but this is not a PyTorchJob pod (no PET_NNODES, "
                            "WORLD_SIZE/RANK or MASTER_ADDR in the environment)")
@@ -179,6 +190,8 @@ def detect(env: Mapping[str, str], recipe: Recipe, *, gpus: int = 0, overridden:
     else:
         _kubeflow(kind, env, recipe, values, sources, notes)
     _nproc(kind, env, recipe, gpus, values, sources)
+    if la.cluster == "trainjob":
+        _same_shape_as_the_trainjob(recipe, values, sources, overridden)
     replaced = _merge_with_recipe(recipe, values, sources, overridden)
     return Detected(kind, DESCRIPTIONS[kind], values, sources, replaced, notes)
 
@@ -216,9 +229,12 @@ def _kubeflow(kind: str, env: Mapping[str, str], recipe: Recipe, values: dict, s
         port = env.get(port_var) or "29400"
         values["rdzv_endpoint"] = f"{env[addr_var]}:{port}"
         sources["rdzv_endpoint"] = f"{addr_var}:{port_var}" if env.get(port_var) else f"{addr_var} (port 29400)"
-    job, where = _k8s_job_name(env)
+    job, where = _trainjob_name(env) if kind == "trainer-v2" else _k8s_job_name(env)
     if job:
         values["rdzv_id"], sources["rdzv_id"] = job, where
+    elif kind == "trainer-v2":
+        notes.append("no TrainJob name found (PET_MASTER_ADDR is not <trainjob>-node-0-0.<trainjob>, HOSTNAME is "
+                     "not <trainjob>-node-N-M, no JOBSET_NAME): the rendezvous id is the recipe's")
     else:
         notes.append("no job name found (HOSTNAME is not <job>-master-N / <job>-worker-N, no JOBSET_NAME): "
                      "the rendezvous id is the recipe's")
@@ -232,6 +248,41 @@ def _k8s_job_name(env: Mapping[str, str]) -> tuple[Optional[str], str]:
     if m:
         return m.group("job"), f"HOSTNAME={env['HOSTNAME']} (pod name's job prefix)"
     return None, ""
+
+
+def _trainjob_name(env: Mapping[str, str]) -> tuple[Optional[str], str]:
+    """The TrainJob's name: every node of one TrainJob finds the same one, and a new TrainJob a new one."""
+    for var in ("TRAINKIT_JOB_ID", "JOBSET_NAME"):
+        if env.get(var):
+            return env[var], var
+    m = TRAINJOB_MASTER.match(env.get("PET_MASTER_ADDR", ""))
+    if m:
+        return m.group("job"), f"PET_MASTER_ADDR={env['PET_MASTER_ADDR']} (<trainjob>-node-0-0.<trainjob>)"
+    m = TRAINJOB_POD.match(env.get("HOSTNAME", ""))
+    if m:
+        return m.group("job"), f"HOSTNAME={env['HOSTNAME']} (<trainjob>-node-N-M)"
+    return None, ""
+
+
+def _same_shape_as_the_trainjob(recipe: Recipe, values: dict, sources: dict, overridden: frozenset[str]) -> None:
+    """`launch.cluster: trainjob` (what `trainkit k8s --api trainjob` writes into the recipe it ships) says the
+    recipe was written for this TrainJob: a node count it states must be the one the TrainJob was given.
+    Under `auto` the environment replaces recipe values, as on the other clusters."""
+    la = recipe.launch
+    if "nnodes" not in la.model_fields_set or "nnodes" not in values:
+        return
+    mine, given = la.nnodes, values["nnodes"]
+    if isinstance(mine, str) and isinstance(given, int):
+        low, high = (int(x) for x in mine.split(":"))
+        if low <= given <= high:
+            return
+    elif str(mine) == str(given):
+        return
+    where = "command line" if "nnodes" in overridden else "recipe"
+    raise ClusterError(f"launch.nnodes {mine} ({where}, launch.cluster: trainjob) contradicts this TrainJob: "
+                       f"{sources['nnodes']} (trainer.numNodes); make them agree (regenerate the TrainJob with "
+                       f"trainkit k8s --api trainjob, or set trainer.numNodes to {mine}), or set launch.cluster=auto "
+                       f"to take the TrainJob's node count")
 
 
 def _slurm(env: Mapping[str, str], values: dict, sources: dict, notes: list,

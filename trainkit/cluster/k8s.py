@@ -1,9 +1,14 @@
-"""`trainkit k8s`: a Kubeflow v1 PyTorchJob (plus the ConfigMap that carries the recipe) for a recipe.
+"""`trainkit k8s`: the Kubernetes objects that run a recipe, for either Kubeflow API.
 
-Every pod runs `trainkit run /recipes/<file>`; detection (detect.py) then reads the operator's
-variables, so the recipe needs no per-node launch values. Secrets never enter the manifest: the
-recipe keeps its `${oc.env:...}` references, the MLflow URI goes in without credentials, and
-MLFLOW_TRACKING_USERNAME/PASSWORD come from a referenced Secret.
+- `--api pytorchjob` (default): a training-operator v1 PyTorchJob (kubeflow.org/v1), Master + Workers.
+- `--api trainjob`: a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) that references a
+  ClusterTrainingRuntime: trainkit's own (`trainkit-distributed`, written with `--with-runtime`, installed
+  once per cluster) or Kubeflow's `torch-distributed` (`--runtime torch-distributed`).
+
+Both carry the recipe in a ConfigMap mounted at /recipes, and every pod runs `trainkit run /recipes/<file>`;
+detection (detect.py) then reads the operator's variables, so the recipe needs no per-node launch values.
+Secrets never enter the manifest: the recipe keeps its `${oc.env:...}` references, the MLflow URI goes in
+without credentials, and MLFLOW_TRACKING_USERNAME/PASSWORD come from a referenced Secret.
 """
 
 from __future__ import annotations
@@ -20,10 +25,23 @@ import yaml
 from ..recipe import secrets
 
 API_VERSION = "kubeflow.org/v1"
+TRAINER_API_VERSION = "trainer.kubeflow.org/v1alpha1"
+APIS = ("pytorchjob", "trainjob")
 PORT = 23456  # the operator's default PyTorchJob port (MASTER_PORT)
+TRAINER_PORT = 29500  # Trainer v2's PET_MASTER_PORT (constants.ContainerTrainerPort)
 RECIPES_MOUNT = "/recipes"
 RUN_DIR_MOUNT = "/trainkit/runs"
 MAX_JOB_NAME = 40  # pods are <job>-worker-<N>, services carry the same name: stay far below 63
+TRAINKIT_RUNTIME = "trainkit-distributed"
+TORCH_RUNTIME = "torch-distributed"
+RUN_DIR_CLAIM = "trainkit-runs"  # the PVC trainkit's runtime mounts at RUN_DIR_MOUNT, in the TrainJob's namespace
+PATCH_MANAGER = "trainkit"  # runtimePatches entries are keyed by who wrote them
+ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+class K8sError(Exception):
+    """The request cannot make a working job (exit 2, nothing written)."""
 
 
 @dataclass
@@ -53,27 +71,31 @@ def _bare_uri(uri: str) -> tuple[str, bool]:
     return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, parts.query, parts.fragment)), True
 
 
-def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
-               gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
-               mlflow_secret: str = "mlflow-credentials") -> Manifest:
-    """The ConfigMap and the PyTorchJob that run this recipe on its launch.nnodes pods."""
-    recipe = resolved.recipe
-    la = recipe.launch
-    notes: list[str] = []
+def _job_name(recipe, notes: list[str]) -> str:
     job = dns_name(recipe.name)
     if job != recipe.name:
         notes.append(f"recipe name {recipe.name!r} is not a valid Kubernetes name (lowercase letters, digits, '-'; "
                      f"at most {MAX_JOB_NAME} characters): the job is named {job!r}")
-    file = Path(recipe_path).name
-    composed = copy.deepcopy(secrets.redact(resolved.raw, ()))  # `${oc.env:...}` stays a reference
-    launch = dict(composed.get("launch") or {})
-    tracking = dict(composed.get("tracking") or {})
-    if run_dir_pvc:
-        launch["run_dir"] = RUN_DIR_MOUNT
-    else:
-        notes.append("no --run-dir-pvc: each pod keeps its own run directory (checkpoints live on each pod and are "
-                     "lost with it); resume after a pod restart needs shared storage: pass --run-dir-pvc NAME")
-    composed["launch"] = launch
+    return job
+
+
+def _gpus(la, gpus_per_node: Optional[int]) -> int:
+    """nvidia.com/gpu per pod: --gpus-per-node, else nproc_per_node with nccl, else none."""
+    if gpus_per_node is None:
+        return la.nproc_per_node if la.backend == "nccl" else 0
+    if gpus_per_node and la.backend == "gloo":
+        raise K8sError(f"--gpus-per-node {gpus_per_node} but launch.backend is gloo (a CPU recipe): the GPUs would "
+                       f"sit idle; drop --gpus-per-node, or set launch.backend=nccl (or auto)")
+    if gpus_per_node and "nproc_per_node" in la.model_fields_set and la.nproc_per_node > gpus_per_node:
+        raise K8sError(f"launch.nproc_per_node {la.nproc_per_node} exceeds --gpus-per-node {gpus_per_node}")
+    return gpus_per_node
+
+
+def _tracking_env(resolved, mlflow_secret: str, notes: list[str]) -> tuple[list[dict[str, Any]], dict]:
+    """The container's MLflow variables (credentials only by Secret reference) and the recipe's tracking block
+    with a bare URI."""
+    recipe = resolved.recipe
+    tracking = dict(copy.deepcopy(secrets.redact(resolved.raw, ())).get("tracking") or {})
     env: list[dict[str, Any]] = []
     if recipe.tracking.enabled and recipe.tracking.uri and "${" not in str((resolved.raw.get("tracking") or {}).get("uri", "")):
         bare, had_credentials = _bare_uri(recipe.tracking.uri)
@@ -88,14 +110,41 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
     elif recipe.tracking.enabled and not recipe.tracking.uri:
         notes.append("tracking.uri is not set: each pod would write its own SQLite store; set tracking.uri to an "
                      "MLflow server every pod reaches")
+    return env, tracking
+
+
+def _recipe_configmap(resolved, recipe_path: str, job: str, namespace: Optional[str], tracking: dict,
+                      launch_update: dict) -> dict:
+    """The ConfigMap `<job>-recipe` holding the composed recipe (`${oc.env:...}` stays a reference)."""
+    composed = copy.deepcopy(secrets.redact(resolved.raw, ()))
+    composed["launch"] = dict(composed.get("launch") or {}, **launch_update)
     if tracking:
         composed["tracking"] = tracking
-    recipe_text = (f"# Composed by trainkit k8s from {recipe_path}; ${{oc.env:...}} references are resolved in each "
-                   f"pod\n" + yaml.safe_dump(composed, sort_keys=False))
-    configmap = {"apiVersion": "v1", "kind": "ConfigMap",
-                 "metadata": _meta(f"{job}-recipe", namespace, job), "data": {file: recipe_text}}
+    text = (f"# Composed by trainkit k8s from {recipe_path}; ${{oc.env:...}} references are resolved in each "
+            f"pod\n" + yaml.safe_dump(composed, sort_keys=False))
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{job}-recipe", namespace, job),
+            "data": {Path(recipe_path).name: text}}
 
-    gpus = gpus_per_node if gpus_per_node is not None else (la.nproc_per_node if la.backend == "nccl" else 0)
+
+_NO_SHARED_STORAGE = ("no --run-dir-pvc: each pod keeps its own run directory (checkpoints live on each pod and are "
+                      "lost with it); resume after a pod restart needs shared storage: pass --run-dir-pvc NAME")
+
+
+def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
+               gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
+               mlflow_secret: str = "mlflow-credentials") -> Manifest:
+    """The ConfigMap and the PyTorchJob that run this recipe on its launch.nnodes pods."""
+    recipe = resolved.recipe
+    la = recipe.launch
+    notes: list[str] = []
+    job = _job_name(recipe, notes)
+    gpus = _gpus(la, gpus_per_node)
+    if not run_dir_pvc:
+        notes.append(_NO_SHARED_STORAGE)
+    env, tracking = _tracking_env(resolved, mlflow_secret, notes)
+    configmap = _recipe_configmap(resolved, recipe_path, job, namespace, tracking,
+                                  {"run_dir": RUN_DIR_MOUNT} if run_dir_pvc else {})
+    file = Path(recipe_path).name
     container: dict[str, Any] = {
         "name": "pytorch",  # the operator finds the container and its port by this name
         "image": image,
@@ -120,8 +169,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "trainkit", "trainkit/job": job}},
                              "spec": {"containers": [copy.deepcopy(container)], "volumes": copy.deepcopy(volumes)}}}
 
-    spec: dict[str, Any] = {"nprocPerNode": str(la.nproc_per_node if "nproc_per_node" in la.model_fields_set
-                                                else (gpus or 1))}
+    spec: dict[str, Any] = {"nprocPerNode": str(_nproc(la, gpus))}
     if isinstance(la.nnodes, str):  # MIN:MAX: elastic workers only; the operator names the c10d endpoint
         low, high = (int(x) for x in la.nnodes.split(":"))
         spec["elasticPolicy"] = {"minReplicas": low, "maxReplicas": high, "rdzvBackend": "c10d",
@@ -134,6 +182,108 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
     spec["runPolicy"] = {"cleanPodPolicy": "None"}
     job_doc = {"apiVersion": API_VERSION, "kind": "PyTorchJob", "metadata": _meta(job, namespace, job), "spec": spec}
     return Manifest([configmap, job_doc], job, notes)
+
+
+def _nproc(la, gpus: int) -> int:
+    return la.nproc_per_node if "nproc_per_node" in la.model_fields_set else (gpus or 1)
+
+
+def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
+             gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
+             mlflow_secret: str = "mlflow-credentials", runtime: Optional[str] = None,
+             with_runtime: bool = False) -> Manifest:
+    """The ConfigMap and the Kubeflow Trainer v2 TrainJob that run this recipe on launch.nnodes nodes, and with
+    `with_runtime` trainkit's ClusterTrainingRuntime first.
+
+    Args:
+        runtime: the ClusterTrainingRuntime the TrainJob references (default trainkit-distributed). A runtime
+            trainkit wrote (the default name, or any name with `with_runtime`) brings /dev/shm and the shared run
+            directory; any other (torch-distributed) gets them from the TrainJob's runtimePatches.
+        with_runtime: also write that runtime (install it once per cluster).
+
+    Raises:
+        K8sError: an elastic node count (Trainer v2 has no elastic policy), a runtime name that is not a DNS
+            name, GPUs for a CPU recipe, --run-dir-pvc for an installed trainkit runtime.
+    """
+    recipe = resolved.recipe
+    la = recipe.launch
+    notes: list[str] = []
+    runtime = runtime or TRAINKIT_RUNTIME
+    if len(runtime) > 253 or not DNS_SUBDOMAIN.fullmatch(runtime):
+        raise K8sError(f"--runtime {runtime!r} is not a valid Kubernetes name (lowercase letters, digits, '-' and "
+                       f"'.', starting and ending with a letter or digit, at most 253): e.g. {TRAINKIT_RUNTIME} or "
+                       f"{TORCH_RUNTIME}")
+    if isinstance(la.nnodes, str):
+        raise K8sError(f"launch.nnodes {la.nnodes!r} is elastic, and Kubeflow Trainer v2 has no elastic policy: a "
+                       f"TrainJob has a fixed trainer.numNodes; pass launch.nnodes=N (with trainer.resume: auto a "
+                       f"restarted job continues from its newest checkpoint), or --api pytorchjob for an "
+                       f"elasticPolicy")
+    trainkit_runtime = with_runtime or runtime == TRAINKIT_RUNTIME
+    if run_dir_pvc and trainkit_runtime and not with_runtime:
+        raise K8sError(f"--run-dir-pvc {run_dir_pvc}: the installed runtime {runtime!r} mounts the claim it was "
+                       f"written with (default {RUN_DIR_CLAIM!r}) at {RUN_DIR_MOUNT}; pass --run-dir-pvc together "
+                       f"with --with-runtime to write a runtime that mounts another claim, or drop it")
+    job = _job_name(recipe, notes)
+    gpus = _gpus(la, gpus_per_node)
+    nproc = _nproc(la, gpus)
+    shared = trainkit_runtime or bool(run_dir_pvc)
+    if trainkit_runtime:
+        notes.append(f"the runtime {runtime!r} mounts the PersistentVolumeClaim {run_dir_pvc or RUN_DIR_CLAIM!r} "
+                     f"(ReadWriteMany) at {RUN_DIR_MOUNT}: create it once in the TrainJob's namespace"
+                     + ("" if with_runtime else f"; install the runtime once with --with-runtime"))
+    elif not run_dir_pvc:
+        notes.append(_NO_SHARED_STORAGE)
+    env, tracking = _tracking_env(resolved, mlflow_secret, notes)
+    # cluster: trainjob makes a node count that disagrees with trainer.numNodes an error at run time
+    update: dict[str, Any] = {"cluster": "trainjob", "nnodes": la.nnodes}
+    if shared:
+        update["run_dir"] = RUN_DIR_MOUNT
+    configmap = _recipe_configmap(resolved, recipe_path, job, namespace, tracking, update)
+
+    trainer: dict[str, Any] = {"image": image, "command": ["trainkit", "run", f"{RECIPES_MOUNT}/{Path(recipe_path).name}"],
+                               "numNodes": la.nnodes, "numProcPerNode": nproc,
+                               "resourcesPerNode": ({"limits": {"nvidia.com/gpu": gpus}} if gpus
+                                                    else {"requests": {"cpu": nproc}})}
+    if env:
+        trainer["env"] = env
+    mounts: list[dict[str, Any]] = [{"name": "recipe", "mountPath": RECIPES_MOUNT, "readOnly": True}]
+    volumes: list[dict[str, Any]] = [{"name": "recipe", "configMap": {"name": f"{job}-recipe"}}]
+    if not trainkit_runtime:  # a foreign runtime: /dev/shm and the run directory come from here
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        if run_dir_pvc:
+            mounts.append({"name": "runs", "mountPath": RUN_DIR_MOUNT})
+            volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": run_dir_pvc}})
+    patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
+        {"name": "node", "template": {"spec": {"template": {"spec": {
+            "containers": [{"name": "node", "volumeMounts": mounts}], "volumes": volumes}}}}}]}}}}
+    job_doc = {"apiVersion": TRAINER_API_VERSION, "kind": "TrainJob", "metadata": _meta(job, namespace, job),
+               "spec": {"runtimeRef": {"name": runtime}, "trainer": trainer, "runtimePatches": [patch]}}
+    documents = [configmap, job_doc]
+    if with_runtime:
+        documents.insert(0, training_runtime(image=image, name=runtime, run_dir_pvc=run_dir_pvc))
+    return Manifest(documents, job, notes)
+
+
+def training_runtime(*, image: str, name: str = TRAINKIT_RUNTIME, run_dir_pvc: Optional[str] = None) -> dict:
+    """trainkit's ClusterTrainingRuntime: the torch ML policy (PET_* for `trainkit run`), one `node` replicated
+    job, a memory-backed /dev/shm, and the run directory on the shared claim `run_dir_pvc` (default
+    trainkit-runs, resolved in each TrainJob's namespace). Cluster-scoped: install once, reference from every
+    TrainJob."""
+    container = {"name": "node", "image": image,
+                 "ports": [{"name": "rendezvous", "containerPort": TRAINER_PORT}],
+                 "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                                  {"name": "runs", "mountPath": RUN_DIR_MOUNT}]}
+    pod = {"containers": [container],
+           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                       {"name": "runs", "persistentVolumeClaim": {"claimName": run_dir_pvc or RUN_DIR_CLAIM}}]}
+    return {"apiVersion": TRAINER_API_VERSION, "kind": "ClusterTrainingRuntime",
+            "metadata": {"name": name, "labels": {"trainer.kubeflow.org/framework": "torch",
+                                                  "app.kubernetes.io/name": "trainkit"}},
+            "spec": {"mlPolicy": {"numNodes": 1, "torch": {}},
+                     "template": {"spec": {"replicatedJobs": [
+                         {"name": "node", "template": {"metadata": {"labels": {ANCESTOR: "trainer"}},
+                                                       "spec": {"template": {"spec": pod}}}}]}}}}
 
 
 def _meta(name: str, namespace: Optional[str], job: str) -> dict:

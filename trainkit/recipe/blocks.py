@@ -263,9 +263,9 @@ class TrainerOptions(Block):
 class LaunchOptions(Block):
     nproc_per_node: PositiveInt = Field(default=1, description="worker processes per node (one per GPU)")
     nnodes: Union[PositiveInt, str] = Field(default=1, description="nodes, or 'MIN:MAX' for elastic")
-    cluster: Literal["auto", "none", "kubeflow", "slurm"] = Field(
-        default="auto", description="auto: a PyTorchJob pod or a SLURM step sets nnodes, node_rank and the rendezvous "
-                                    "(docs/clusters.md); none: only the recipe's values")
+    cluster: Literal["auto", "none", "kubeflow", "trainjob", "slurm"] = Field(
+        default="auto", description="auto: a PyTorchJob or TrainJob pod or a SLURM step sets nnodes, node_rank and the "
+                                    "rendezvous (docs/clusters.md); none: only the recipe's values")
     node_rank: Optional[NonNegativeInt] = Field(default=None, description="static rendezvous only")
     max_restarts: NonNegativeInt = Field(default=0, description="group restarts after a worker failure")
     rdzv_backend: Literal["c10d", "static"] = Field(default="c10d", description="rendezvous backend")
