@@ -1,7 +1,8 @@
 """`throughput`: samples/s, step-time p50/p95 and MFU.
 
-FLOPs per step are counted by `torch.utils.flop_counter.FlopCounterMode` on a meta-device copy of
-the model (no memory, no effect on training), not supplied by hand. MFU divides achieved FLOP/s by
+FLOPs per step come from the recipe's task (`Task.flops_per_microbatch`): classification counts
+them with `torch.utils.flop_counter.FlopCounterMode` on a meta-device copy of the model (no memory,
+no effect on training); causal_lm uses 6·N plus the attention term per token. MFU divides achieved FLOP/s by
 the device's peak from a table of known GPUs; on CPU only achieved FLOP/s is reported.
 """
 
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..runtime.model import build_model
+from .. import registry
 from .base import Monitor
 
 # dense peak TFLOP/s per GPU: (bf16/fp16 tensor cores, tf32 for fp32 training)
@@ -36,22 +37,12 @@ def peak_flops(device: torch.device, precision: str) -> Optional[float]:
 
 
 def count_step_flops(recipe) -> Optional[float]:
-    """FLOPs of one forward+backward of one micro-batch per rank, on the meta device."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    shape = getattr(recipe.data, "shape", None)
-    if shape is None and hasattr(recipe.data, "image_size"):
-        shape = [3, recipe.data.image_size, recipe.data.image_size]
-    if shape is None:
-        return None
+    """FLOPs of one forward+backward of one micro-batch per rank, as the recipe's task estimates them
+    (classification counts them with FlopCounterMode on the meta device; causal_lm uses 6·N +
+    attention per token)."""
     try:
-        with torch.device("meta"):
-            model = build_model(recipe.model.model_copy(update={"weights": None}))
-            x = torch.empty(recipe.data.batch_size, *shape)
-        counter = FlopCounterMode(display=False)
-        with counter:
-            model(x).float().sum().backward()
-        return float(counter.get_total_flops())
+        task = registry.component(recipe.task)(recipe.task, device=torch.device("meta"), recipe=recipe)
+        return task.flops_per_microbatch()
     except Exception:  # exotic models: report throughput without MFU rather than fail the run
         return None
 
