@@ -28,10 +28,11 @@ EOS = "<|endoftext|>"
 
 
 # --------------------------------------------------------------------------- the synthetic language
-def synthetic_corpus(documents: int, seed: int) -> list[str]:
+def synthetic_corpus(documents: int, seed: int, *, stream: int = 0) -> list[str]:
     """`documents` lines of a toy language: subject-verb-object sentences over invented words, with
     agreement (plural nouns take verbs ending in -n) and adjectives tied to nouns, so there is
-    structure beyond word frequencies to learn."""
+    structure beyond word frequencies to learn. `seed` fixes the language (its words); `stream`
+    picks which documents of it (the held-out split is another stream of the same language)."""
     rng = random.Random(seed)
     syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "sa", "do", "fu", "gri", "bel", "tor"]
 
@@ -43,6 +44,7 @@ def synthetic_corpus(documents: int, seed: int) -> list[str]:
 
     nouns, verbs, adjectives = words(24, (2, 3)), words(12, (2, 2)), words(10, (1, 2))
     liked = {n: rng.sample(adjectives, 2) for n in nouns}  # each noun takes two adjectives only
+    rng = random.Random(f"{seed}/{stream}")
 
     def phrase() -> tuple[str, bool]:
         noun, plural = rng.choice(nouns), rng.random() < 0.3
@@ -61,11 +63,12 @@ def synthetic_corpus(documents: int, seed: int) -> list[str]:
 
 
 def write_corpus(folder: Path, *, documents: int, seed: int) -> tuple[Path, Path]:
-    """train.txt (`documents` lines) and eval.txt (a tenth as many, another seed) in `folder`."""
+    """train.txt (`documents` lines) and eval.txt (a tenth as many, other documents of the same
+    language) in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     train, held_out = folder / "train.txt", folder / "eval.txt"
     _write_atomic(train, "\n".join(synthetic_corpus(documents, seed)) + "\n")
-    _write_atomic(held_out, "\n".join(synthetic_corpus(max(1, documents // 10), seed + 1_000_003)) + "\n")
+    _write_atomic(held_out, "\n".join(synthetic_corpus(max(1, documents // 10), seed, stream=1)) + "\n")
     return train, held_out
 
 
