@@ -173,3 +173,18 @@ def test_the_synthetic_corpus_is_deterministic(tmp_path):
 
     assert synthetic_corpus(50, 4) == synthetic_corpus(50, 4)
     assert synthetic_corpus(50, 4) != synthetic_corpus(50, 4, stream=1)
+
+
+# ----------------------------------------------------------------------------- Hugging Face models
+@pytest.mark.distributed
+def test_a_hugging_face_model_from_a_recipe_config_trains_under_fsdp(tmp_path, corpus):
+    """AutoModelForCausalLM.from_config (no download), each LlamaDecoderLayer an FSDP unit."""
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64}
+    path = lm_recipe(tmp_path, "hf", corpus, model={"name": "hf_causal_lm", "args": {"config": config}},
+                     strategy={"name": "fsdp", "wrap": ["LlamaDecoderLayer"]}, trainer={"max_steps": 4})
+    run_dir = run(tmp_path, path)
+    out = losses(run_dir)
+    assert len(out) == 4 and out[-1] < out[0]
+    assert summary(run_dir)["replicas_identical"]
