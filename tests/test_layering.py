@@ -17,12 +17,12 @@ LAYERS = [  # (module prefix, layer); the longest matching prefix wins
     ("trainkit", 1), ("trainkit.registry", 1), ("trainkit.models", 1),
     ("trainkit.recipe", 2), ("trainkit.cluster", 2),
     ("trainkit.runtime", 3),
-    ("trainkit.strategies", 4), ("trainkit.monitors", 4), ("trainkit.tracking", 4),
+    ("trainkit.strategies", 4), ("trainkit.monitors", 4), ("trainkit.tracking", 4), ("trainkit.tasks", 4),
     ("trainkit.runtime.worker", 5), ("trainkit.doctor", 5),
     ("trainkit.launch", 6),
     ("trainkit.cli", 7),
 ]
-PLUGIN_FAMILIES = ("trainkit.strategies", "trainkit.monitors", "trainkit.tracking")
+PLUGIN_FAMILIES = ("trainkit.strategies", "trainkit.monitors", "trainkit.tracking", "trainkit.tasks")
 
 
 def layer_of(module: str) -> tuple[int, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -281,6 +282,18 @@ trainkit data make-imagefolder /tmp/imagenet/train --classes 10 --per-class 50""
     m.add_argument("--val-per-class", type=int, default=0, metavar="N",
                    help="also write N held-out images per class: DIR/train/ and DIR/val/ (default 0: DIR/<class>/)")
     m.set_defaults(func=cmd_make_imagefolder)
+    m = data_sub.add_parser("make-corpus", help="write a synthetic-language text corpus (train.txt, eval.txt)")
+    m.add_argument("folder", metavar="DIR")
+    m.add_argument("--documents", type=_positive, default=2000, help="training documents (eval: a tenth)")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_corpus)
+    m = data_sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer (tokenizers) on text/JSONL files")
+    m.add_argument("files", metavar="FILE", nargs="+")
+    m.add_argument("--out", required=True, metavar="TOKENIZER_JSON")
+    m.add_argument("--vocab-size", type=_positive, default=8192)
+    m.add_argument("--text-field", default="text", help="the JSONL field holding the text")
+    m.add_argument("--min-frequency", type=_positive, default=2)
+    m.set_defaults(func=cmd_train_tokenizer)
     return parser
 
 
@@ -485,6 +498,35 @@ def cmd_make_imagefolder(args: argparse.Namespace) -> int:
               f"x {args.val_per_class} held-out images to {root / 'val'}, {args.size}px")
     else:
         print(f"wrote {args.classes} classes x {args.per_class} images of {args.size}px to {root}")
+    return EXIT_OK
+
+
+def cmd_make_corpus(args: argparse.Namespace) -> int:
+    from .runtime.text_data import write_corpus
+
+    train, held_out = write_corpus(Path(args.folder), documents=args.documents, seed=args.seed)
+    print(f"wrote {train} ({args.documents} documents) and {held_out}")
+    return EXIT_OK
+
+
+def cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from .runtime.text_data import train_tokenizer, tokenizer_vocab_size
+
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        print(f"trainkit: error: not a file: {', '.join(missing)}", file=sys.stderr)
+        return EXIT_INVALID
+    if args.vocab_size < 257:
+        print("trainkit: error: --vocab-size must be at least 257 (256 bytes and the end-of-text token)",
+              file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        out = train_tokenizer(args.files, Path(args.out), vocab_size=args.vocab_size, text_field=args.text_field,
+                              min_frequency=args.min_frequency)
+    except ValueError as exc:
+        print(f"trainkit: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"wrote {out} ({tokenizer_vocab_size(str(out))} tokens)")
     return EXIT_OK
 
 

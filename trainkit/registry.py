@@ -1,10 +1,11 @@
-"""One plugin registry for models, datasets, strategies and monitors.
+"""One plugin registry for models, datasets, strategies, monitors and tasks.
 
 Built-ins and third-party plugins register the same way: Python entry points in the groups
-``trainkit.models``, ``trainkit.datasets``, ``trainkit.strategies`` and ``trainkit.monitors``.
+``trainkit.models``, ``trainkit.datasets``, ``trainkit.strategies``, ``trainkit.monitors`` and
+``trainkit.tasks``.
 Listing names reads package metadata only; a plugin is imported when a recipe names it.
 
-* datasets / strategies / monitors: the entry point names a pydantic options model with a
+* datasets / strategies / monitors / tasks: the entry point names a pydantic options model with a
   ``name: Literal[...]`` tag and a ``component`` ClassVar ("module:attr") for the runtime piece.
 * models: the entry point names the factory itself (called with the recipe's ``model.args``).
 
@@ -20,7 +21,7 @@ from functools import lru_cache
 from importlib.metadata import entry_points
 from typing import Any
 
-KINDS = ("models", "datasets", "strategies", "monitors")
+KINDS = ("models", "datasets", "strategies", "monitors", "tasks")
 FACTORY_MARK = "__trainkit_model_factory__"
 
 

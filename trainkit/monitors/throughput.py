@@ -1,10 +1,12 @@
 """`throughput`: samples/s, step-time p50/p95 and MFU.
 
-FLOPs per step are counted by `torch.utils.flop_counter.FlopCounterMode` on a meta-device copy of
-the model (no memory, no effect on training), not supplied by hand; with the pipeline strategy each
-rank counts only its own stages. MFU divides achieved FLOP/s by the peak of what actually runs on
-this GPU (bf16/fp16 tensor cores, TF32 only with `performance.tf32: true`, else plain fp32), from a
-table of known GPUs matched on the device name; on CPU only achieved FLOP/s is reported.
+FLOPs per step come from the recipe's task (`Task.flops_per_microbatch`): classification counts
+them with `torch.utils.flop_counter.FlopCounterMode` on a meta-device copy of the model (no memory,
+no effect on training); causal_lm uses 6·N plus the attention term per token. With the pipeline
+strategy each rank counts only its own stages (image models; a language model's stages are credited
+with the whole model). MFU divides achieved FLOP/s by the peak of what actually runs on this GPU
+(bf16/fp16 tensor cores, TF32 only with `performance.tf32: true`, else plain fp32), from a table of
+known GPUs matched on the device name; on CPU only achieved FLOP/s is reported.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from .. import registry
 from ..runtime.model import build_model
 from .base import Monitor
 
@@ -63,28 +66,29 @@ def peak_flops(device: torch.device, precision: str, tf32: bool = False) -> Opti
     return None if peak is None else peak * 1e12
 
 
-def count_step_flops(recipe, strategy=None) -> Optional[float]:
-    """FLOPs of one forward+backward of one micro-batch on this rank, on the meta device. A strategy
-    that splits the model across ranks (pipeline) credits each rank with its own part
-    (`Strategy.flops_of_rank`); otherwise every rank runs the whole model."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+def _image_input(recipe) -> Optional[torch.Tensor]:
     shape = getattr(recipe.data, "shape", None)
     if shape is None and hasattr(recipe.data, "image_size"):
         shape = [3, recipe.data.image_size, recipe.data.image_size]
-    if shape is None:
-        return None
+    return None if shape is None else torch.empty(recipe.data.batch_size, *shape)
+
+
+def count_step_flops(recipe, strategy=None) -> Optional[float]:
+    """FLOPs of one forward+backward of one micro-batch on this rank. A strategy that splits the model
+    across ranks (pipeline) credits each rank with its own part (`Strategy.flops_of_rank`); otherwise
+    the recipe's task estimates the whole model's (classification: FlopCounterMode on the meta
+    device; causal_lm: 6·N + attention per token)."""
     try:
-        with torch.device("meta"):
-            model = build_model(recipe.model.model_copy(update={"weights": None}))
-            x = torch.empty(recipe.data.batch_size, *shape)
-            of_rank = strategy.flops_of_rank(model, x)
-            if of_rank is not None:
-                return float(of_rank)
-            counter = FlopCounterMode(display=False)
-            with counter:
-                model(x).float().sum().backward()
-        return float(counter.get_total_flops())
+        if strategy is not None and strategy.splits_model:
+            with torch.device("meta"):
+                x = _image_input(recipe)
+                if x is not None:
+                    model = build_model(recipe.model.model_copy(update={"weights": None}))
+                    of_rank = strategy.flops_of_rank(model, x)
+                    if of_rank is not None:
+                        return float(of_rank)
+        task = registry.component(recipe.task)(recipe.task, device=torch.device("meta"), recipe=recipe)
+        return task.flops_per_microbatch()
     except Exception:  # exotic models: report throughput without MFU rather than fail the run
         return None
 

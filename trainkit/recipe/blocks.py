@@ -81,6 +81,49 @@ class Cifar10Data(DataOptions):
     root: str = Field(description="folder containing cifar-10-batches-py/")
 
 
+class TextCorpusOptions(Block):
+    """A deterministic synthetic-language corpus written on first use (tests, docs, the LM demo)."""
+
+    documents: PositiveInt = Field(default=2000, description="training documents (eval gets a tenth more)")
+    seed: int = Field(default=0, description="corpus generator seed")
+    vocab_size: PositiveInt = Field(default=512, ge=260, description="byte-level BPE vocabulary trained on it")
+
+
+class TextData(DataOptions):
+    """Local text (one document per line) or JSONL files, tokenized and packed into seq_len blocks."""
+
+    component: ClassVar[str] = "trainkit.runtime.text_data:build_text"
+    name: Literal["text"]
+    files: list[str] = Field(min_length=1, description="training files (.txt: a document per line; .jsonl)")
+    eval_files: list[str] = Field(default_factory=list, description="held-out files for eval perplexity")
+    format: Literal["auto", "text", "jsonl"] = Field(default="auto", description="auto: .jsonl/.json is JSONL")
+    text_field: str = Field(default="text", description="the JSONL field holding the text")
+    tokenizer: str = Field(description="tokenizer.json of HF `tokenizers` (e.g. from `trainkit data train-tokenizer`)")
+    seq_len: PositiveInt = Field(description="tokens per training sequence (inputs; targets are shifted by one)")
+    generate: Optional[TextCorpusOptions] = Field(
+        default=None, description="write a synthetic corpus and train its tokenizer when the files are missing")
+
+
+# --------------------------------------------------------------------------- tasks
+class TaskOptions(PluginBlock):
+    """What a run learns: batch to device, the loss, logged/eval metrics and FLOPs (`runtime.protocols.Task`)."""
+
+
+class ClassificationTaskOptions(TaskOptions):
+    """Cross-entropy on (input, label) batches; eval loss and accuracy (the default task)."""
+
+    component: ClassVar[str] = "trainkit.tasks.classification:ClassificationTask"
+    name: Literal["classification"]
+
+
+class CausalLMTaskOptions(TaskOptions):
+    """Next-token prediction on (tokens, shifted tokens); loss, perplexity, tokens/s; eval perplexity."""
+
+    component: ClassVar[str] = "trainkit.tasks.causal_lm:CausalLMTask"
+    name: Literal["causal_lm"]
+    ignore_index: int = Field(default=-100, description="target id that does not count (padding)")
+
+
 # --------------------------------------------------------------------------- strategies
 class StrategyOptions(PluginBlock):
     pass

@@ -83,7 +83,7 @@ def reference_markdown(builtin_only: bool = True) -> str:
         if model.__doc__:
             out += [model.__doc__.strip().splitlines()[0], ""]
         out += _table(model) + [""]
-    titles = {"data": "Datasets", "strategy": "Strategies", "monitors": "Monitors"}
+    titles = {"data": "Datasets", "strategy": "Strategies", "monitors": "Monitors", "task": "Tasks"}
     for block, kind in PLUGIN_FIELDS.items():
         out += [f"## {titles[block]} (`{block}`)", ""]
         for name in registry.names(kind, builtin_only=builtin_only):

@@ -158,3 +158,43 @@ def path_components_stay_inside_the_run_dir(r: Recipe) -> Iterator[Finding]:
         why = paths.problem(value)
         if why:
             yield path, why + " (the run must write only inside its run directory)"
+
+
+# ----------------------------------------------------------------------------- language models
+def _declared_max_positions(r: Recipe):
+    """The longest sequence the recipe's model is built for, when the recipe says it."""
+    args = r.model.args
+    if r.model.name == "transformer":
+        return args.get("seq_len", 512)
+    if r.model.name == "hf_causal_lm" and isinstance(args.get("config"), dict):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            if isinstance(args["config"].get(key), int):
+                return args["config"][key]
+    return None
+
+
+@rule
+def text_data_fits_the_task_and_model(r: Recipe) -> Iterator[Finding]:
+    d = r.data
+    if d.name == "text" and r.task.name == "classification":
+        yield ("data", "name"), ("text data yields token sequences, not (input, label) pairs, so it cannot train "
+                                 "task classification (the default); set task: {name: causal_lm}")
+    seq_len = getattr(d, "seq_len", None)
+    longest = _declared_max_positions(r)
+    if isinstance(seq_len, int) and isinstance(longest, int) and seq_len > longest:
+        key = "seq_len" if r.model.name == "transformer" else "config"
+        yield ("data", "seq_len"), (f"seq_len {seq_len} is longer than the model's maximum {longest} "
+                                    f"(model.args.{key}); use seq_len <= {longest} or a longer model")
+    if d.name == "text" and d.generate is not None:
+        if len(d.files) != 1:
+            yield ("data", "files"), "data.generate writes one training file: list exactly one in data.files"
+        if len(d.eval_files) > 1:
+            yield ("data", "eval_files"), "data.generate writes one held-out file: list at most one in data.eval_files"
+
+
+@rule
+def pipeline_needs_a_sequential_model(r: Recipe) -> Iterator[Finding]:
+    if r.strategy.name == "pipeline" and r.model.name == "hf_causal_lm":
+        yield ("strategy", "name"), ("the pipeline strategy splits an nn.Sequential of blocks at module names; a "
+                                     "Hugging Face model is not one, so it cannot be pipelined here: use ddp, fsdp or "
+                                     "deepspeed, or the built-in model 'transformer' (splits at layers.N)")

@@ -168,7 +168,7 @@ class Loop:
         """Metrics over the eval loader's samples (its sampler picks the subset and each rank's share,
         see runtime.data.EvalSampler), from float64 sums added over batches and ranks."""
         self.model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(self.task.num_eval_sums, dtype=torch.float64, device=self.device)
         for batch in self.eval_loader:
             x, y = self.task.to_device(batch)
             out = self.strategy.eval_forward(self.model, x, self.precision)
@@ -245,6 +245,7 @@ class Loop:
                            "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
+                metrics.update(self.task.log_metrics(metrics))  # e.g. perplexity, tokens/s
                 metrics.update(self.stats.interval_means())  # step_time_s, data_wait_s (this rank)
                 if self.eval_loader is not None and t.eval_every and (step % t.eval_every == 0 or last):
                     evaluated = self.evaluate()

@@ -20,7 +20,7 @@ def check(resolved) -> list[Problem]:
     """Every runtime problem of a resolved recipe (errors and warnings)."""
     recipe = resolved.recipe
     out: list[Problem] = []
-    for fn in (_data, _model, _batch_fits, _devices, _strategy, _strategy_checks):
+    for fn in (_data, _model, _language_model, _batch_fits, _devices, _strategy, _strategy_checks):
         for path, message, severity in fn(recipe):
             out.append(Problem(resolved.locate(path), ".".join(map(str, path)), _with_origin(resolved, path, message),
                                severity))
@@ -119,6 +119,85 @@ def _model(r) -> Iterator[Finding]:
     if spec.weights and not Path(spec.weights).expanduser().is_file():
         yield ("model", "weights"), f"weights file not found: {spec.weights} (weights are never downloaded; " \
             f"give a local state_dict file)", "error"
+
+
+# --------------------------------------------------------------------------- language models
+def _hf_config(r):
+    """(model_type, the transformers config the recipe builds) or raise LookupError with a message."""
+    config = dict(r.model.args.get("config") or {})
+    model_type = config.pop("model_type", None)
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+    except ImportError:
+        raise LookupError("model hf_causal_lm needs Hugging Face transformers: pip install 'trainkit[hf]'") from None
+    if model_type not in CONFIG_MAPPING_NAMES:
+        known = sorted(CONFIG_MAPPING_NAMES)
+        raise LookupError(f"unknown Hugging Face model_type '{model_type}'{did_you_mean(str(model_type), known)} "
+                          f"({len(known)} known to transformers, e.g. llama, gpt2, qwen2, mistral)")
+    return CONFIG_MAPPING[model_type](**config)
+
+
+def model_vocab_and_positions(r):
+    """(vocabulary size, longest sequence) of the recipe's language model, None where unknown."""
+    if r.model.name == "transformer":
+        return r.model.args.get("vocab_size"), r.model.args.get("seq_len", 512)
+    if r.model.name == "hf_causal_lm":
+        from ..models.hf import max_positions
+
+        config = _hf_config(r)
+        return getattr(config, "vocab_size", None), max_positions(config.to_dict())
+    return None, None
+
+
+def _language_model(r) -> Iterator[Finding]:
+    """Text data and LM models: files, the tokenizer against the model's vocabulary, the JSONL field,
+    the Hugging Face model type and its maximum length."""
+    try:
+        vocab, longest = model_vocab_and_positions(r)
+    except LookupError as exc:
+        path = ("model", "args", "config", "model_type") if "model_type" in str(exc) else ("model", "name")
+        yield path, str(exc), "error"
+        vocab = longest = None
+    except Exception as exc:  # transformers rejected the config values
+        yield ("model", "args", "config"), f"{type(exc).__name__}: {exc}", "error"
+        vocab = longest = None
+    d = r.data
+    if r.model.name == "hf_causal_lm" and isinstance(longest, int) and getattr(d, "seq_len", 0) > longest:
+        yield ("data", "seq_len"), f"seq_len {d.seq_len} is longer than the model's maximum {longest} " \
+            f"(its config's position embeddings)", "error"
+    if d.name != "text":
+        return
+    from .text_data import file_format, iter_jsonl_missing_field, tokenizer_vocab_size
+
+    generated = d.generate is not None
+    for key in ("files", "eval_files"):
+        for i, f in enumerate(getattr(d, key)):
+            if not Path(f).expanduser().is_file() and not generated:
+                yield ("data", key, i), f"text file not found: {f} (absolute: {Path(f).expanduser().resolve()}); " \
+                    f"or set data.generate to write a synthetic corpus there", "error"
+    present = [f for f in [*d.files, *d.eval_files] if Path(f).expanduser().is_file()]
+    jsonl = [f for f in present if file_format(f, d.format) == "json"]
+    for f, line in iter_jsonl_missing_field(jsonl, d.text_field):
+        yield ("data", "text_field"), f"{f}:{line}: the record has no field '{d.text_field}'; set " \
+            f"data.text_field to the field that holds the text", "error"
+    tokenizer = Path(d.tokenizer).expanduser()
+    ids = None
+    if tokenizer.is_file():
+        try:
+            ids = tokenizer_vocab_size(str(tokenizer))
+        except Exception as exc:
+            yield ("data", "tokenizer"), f"{tokenizer} is not a tokenizers file: {type(exc).__name__}: {exc}", "error"
+    elif generated:
+        ids = d.generate.vocab_size
+    else:
+        yield ("data", "tokenizer"), f"tokenizer file not found: {d.tokenizer} (absolute: {tokenizer.resolve()}); " \
+            f"train one with `trainkit data train-tokenizer {' '.join(d.files)} --out {d.tokenizer} " \
+            f"--vocab-size {vocab or 32000}`", "error"
+    if ids is not None and isinstance(vocab, int) and ids > vocab:
+        where = "data.generate.vocab_size" if not tokenizer.is_file() else f"the tokenizer {d.tokenizer}"
+        yield ("data", "tokenizer"), f"{where} has {ids} tokens but the model's vocabulary has {vocab}: " \
+            f"token ids past {vocab - 1} have no embedding; use a model vocab_size >= {ids} or another " \
+            f"tokenizer", "error"
 
 
 # --------------------------------------------------------------------------- devices and backends

@@ -59,14 +59,19 @@ class Strategy(Protocol):
 class Task(Protocol):
     """What is being learned: how a batch reaches the device, the loss, the evaluation metrics."""
 
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean loss of a micro-batch
+    num_eval_sums: int  # length of the eval_sums vector
 
     def to_device(self, batch: Any) -> tuple[Any, Any]:
         """(inputs, targets) on the run's device, with any input transform applied."""
     def eval_sums(self, outputs: torch.Tensor, targets: Any) -> torch.Tensor:
-        """Per-batch sums (float64, on the device) that add up across batches and ranks."""
+        """Per-batch sums (float64, on the device, `num_eval_sums` long) that add up across batches and ranks."""
     def eval_metrics(self, sums: torch.Tensor) -> dict:
         """Metrics from the all-reduced sums."""
+    def log_metrics(self, metrics: dict) -> dict:
+        """Extra metrics at a log step, from the loop's (`loss` is already the mean over ranks)."""
+    def flops_per_microbatch(self) -> Optional[float]:
+        """Forward+backward FLOPs of one micro-batch on one rank (for MFU), or None if unknown."""
 
 
 @runtime_checkable

@@ -44,7 +44,6 @@ from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
 from .precision import Precision
 from .progress import Progress
-from .task import ClassificationTask
 from .timing import Clock, CommTimer, ForwardMarks
 
 
@@ -155,6 +154,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
     seed_everything(seed + rank)  # per-rank randomness (augmentation, dropout)
+    task = registry.component(recipe.task)(recipe.task, device=device, recipe=recipe)
 
     train_set, eval_set = build_datasets(recipe.data, seed)
     pin = recipe.data.pin_memory and device.type == "cuda"
@@ -193,7 +193,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
             sink.rewind(state.step)  # one value per step: a restart's redone steps replace the dead attempt's
         sinks.append(progress)
     loop = Loop(recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler, strategy=strategy,
-                precision=precision, task=ClassificationTask(device), train_loader=train_loader,
+                precision=precision, task=task, train_loader=train_loader,
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
                 sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
                 step_hooks=step_hooks, last_checkpoint=source)

@@ -26,3 +26,24 @@ def build_blobs(options: BlobsData, *, seed: int, train: bool = True):
     labels = torch.randint(0, options.num_classes, (options.num_samples,), generator=g)
     x = centers[labels] + torch.randn(options.num_samples, options.dim, generator=g)
     return TensorDataset(x, labels)
+
+
+class WavesData(DataOptions):
+    """Regression targets: y = sin(w . x) + noise, with w fixed by the seed."""
+
+    component: ClassVar[str] = "trainkit_example_plugin.data:build_waves"
+    name: Literal["waves"]
+    num_samples: PositiveInt = Field(default=1024, description="dataset length")
+    dim: PositiveInt = Field(default=8, description="features per sample")
+
+
+def build_waves(options: WavesData, *, split: str, seed: int):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    w = torch.randn(options.dim, generator=torch.Generator().manual_seed(seed)) / options.dim ** 0.5
+    g = torch.Generator().manual_seed(seed * 2 + (0 if split == "train" else 1))
+    n = options.num_samples if split == "train" else max(options.batch_size, options.num_samples // 8)
+    x = torch.randn(n, options.dim, generator=g)
+    y = torch.sin(2 * x @ w) + 0.05 * torch.randn(n, generator=g)
+    return TensorDataset(x, y)

@@ -1,0 +1,54 @@
+"""Shared set-up of the language-model tests: a small synthetic corpus with its tokenizer (made
+once per module, in-process), and recipes for the built-in transformer trained on it.
+
+Tolerance (strategy_runs.RTOL, 1e-5 relative on each step's loss): the runs compared hold the
+same global batch of packed sequences (every micro-batch counts the same number of tokens), so
+their per-rank token means average to the one-process mean up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+STEPS = 8
+VOCAB = 320  # >= the tokenizer's 256 bytes + merges + end-of-text
+TINY = {"name": "transformer", "args": {"vocab_size": VOCAB, "dim": 32, "layers": 2, "heads": 2, "seq_len": 32}}
+
+
+def make_corpus(folder: Path, *, documents: int = 400, world: int = 2, batch: int = 4) -> dict:
+    """train.txt, eval.txt (trimmed so its blocks split evenly over `world` ranks x `batch`, so no
+    rank pads its share) and tokenizer.json in `folder`; returns the data block's paths."""
+    from trainkit.runtime.text_data import PackedTokens, encode, load_tokenizer, read_texts, train_tokenizer, \
+        write_corpus
+
+    train, held_out = write_corpus(folder, documents=documents, seed=0)
+    tok = train_tokenizer([str(train)], folder / "tokenizer.json", vocab_size=300)
+    lines = held_out.read_text().splitlines()
+    tokenizer = load_tokenizer(str(tok))
+    while len(PackedTokens(encode(lines, tokenizer), TINY["args"]["seq_len"])) % (world * batch):
+        lines.pop()
+    held_out.write_text("\n".join(lines) + "\n")
+    assert read_texts([str(held_out)]) == lines
+    return {"files": [str(train)], "eval_files": [str(held_out)], "tokenizer": str(tok)}
+
+
+def lm_recipe(tmp: Path, name: str, corpus: dict, **sections) -> Path:
+    """A causal_lm recipe for the tiny transformer; `sections` update it (dicts are merged, except strategy)."""
+    recipe = {
+        "name": name, "seed": 3, "task": {"name": "causal_lm"}, "model": TINY,
+        "data": {"name": "text", **corpus, "seq_len": 32, "batch_size": 4, "shuffle": True},
+        "strategy": {"name": "ddp"},
+        "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9},
+        "trainer": {"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
+        "launch": {"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120},
+        "tracking": {"enabled": False},
+    }
+    for key, value in sections.items():
+        base = recipe.get(key)
+        recipe[key] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) and key != "strategy" \
+            else value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path

@@ -1,0 +1,60 @@
+"""Every strategy on the built-in transformer (task causal_lm, 2 gloo processes): FSDP2 sharding
+each TransformerBlock (with activation checkpointing per block), the pipeline split at `layers.1`,
+and DeepSpeed ZeRO-3 follow the one-process trajectory of the same global batch of 8 sequences.
+
+Tolerance: see lm_runs (strategy_runs.RTOL, fp32 summation order only).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lm_runs import STEPS, lm_recipe, make_corpus
+from run_helpers import losses, summary
+from strategy_runs import RTOL, run
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, corpus) -> list[float]:
+    tmp = tmp_path_factory.mktemp("one")
+    path = lm_recipe(tmp, "one", corpus, data={"batch_size": 8}, launch={"nproc_per_node": 1})
+    out = losses(run(tmp, path))
+    assert len(out) == STEPS and out[-1] < out[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ext(request, tmp_path_factory) -> dict:
+    """DeepSpeed JIT-compiles its CPU comm op once (~40 s): shared with test_strategies_deepspeed."""
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
+    return {"TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}
+
+
+def test_fsdp_sharding_each_block_with_activation_checkpointing_matches(tmp_path, corpus, one_rank):
+    path = lm_recipe(tmp_path, "fsdp", corpus, strategy={"name": "fsdp", "wrap": ["TransformerBlock"],
+                                                         "activation_checkpointing": True})
+    run_dir = run(tmp_path, path)
+    assert losses(run_dir) == pytest.approx(one_rank, rel=RTOL)
+    assert summary(run_dir)["replicas_identical"]
+
+
+def test_pipeline_split_at_a_layer_matches(tmp_path, corpus, one_rank):
+    path = lm_recipe(tmp_path, "pipe", corpus, data={"batch_size": 8},
+                     strategy={"name": "pipeline", "schedule": "1f1b", "microbatches": 2,
+                               "split_points": ["layers.1"]})
+    assert losses(run(tmp_path, path)) == pytest.approx(one_rank, rel=RTOL)
+
+
+def test_zero3_matches(tmp_path, corpus, one_rank, ext):
+    path = lm_recipe(tmp_path, "zero3", corpus, strategy={"name": "deepspeed", "zero_stage": 3})
+    run_dir = run(tmp_path, path, **ext)
+    assert losses(run_dir) == pytest.approx(one_rank, rel=RTOL)
+    assert summary(run_dir)["replicas_identical"]
