@@ -13,7 +13,8 @@ from trainkit.runtime.checkpoint import Checkpointer, newest_valid, problem_with
 class OneProcess:
     """The strategy side of a checkpoint for one process: a model file plus a nested shard."""
 
-    rank, world_size = 0, 1
+    rank, world_size, data_parallel_size = 0, 1, 1
+    reshards_on_load = True
 
     def barrier(self):
         pass

@@ -250,3 +250,14 @@ def test_an_unwritable_output_folder_is_a_message_not_a_traceback(tmp_path):
     res = cli("data", "make-imagefolder", str(blocker / "images"), "--classes", "2", "--per-class", "1")
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert str(blocker) in res.stderr
+
+
+def test_min_max_node_ranges_stay_text_in_files_and_overrides(tmp_path):
+    """Guards against YAML 1.1's base-60 integers: `nnodes: 2:4` (file) and `launch.nnodes=2:4`
+    (override) must mean the elastic range '2:4', not the number 124."""
+    recipe = tmp_path / "elastic.yaml"
+    recipe.write_text("name: elastic\nmodel: {name: mlp}\ndata: {name: synthetic, batch_size: 4}\n"
+                      "strategy: {name: ddp}\noptimizer: {name: sgd, lr: 0.1}\ntrainer: {max_steps: 2}\n"
+                      "launch: {nnodes: 2:4, rdzv_endpoint: 'h:1'}\n")
+    assert resolve(recipe).recipe.launch.nnodes == "2:4"
+    assert resolve(recipe, ["launch.nnodes=1:3"]).recipe.launch.nnodes == "1:3"

@@ -180,6 +180,16 @@ class _Added:
     where: Location
 
 
+_BASE60 = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+
+
+def _base60_as_text(assignment: str) -> str:
+    """`launch.nnodes=2:4` stays the string '2:4': OmegaConf's YAML 1.1 parser would read base-60 (124),
+    as recipe files no longer do (yaml_source)."""
+    key, sep, value = assignment.partition("=")
+    return f"{key}='{value.strip()}'" if sep and _BASE60.fullmatch(value.strip()) else assignment
+
+
 def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str],
                      problems: list[Problem]) -> tuple[dict, list[_Added], dict[Path_, Location]]:
     """Apply `key=value`, `+key=value` and `~key` in order; returns (data, plain overrides that added a
@@ -212,7 +222,7 @@ def _apply_overrides(data: dict, positions: Positions, overrides: Sequence[str],
                                                 "(without '+') to change it"))
             continue
         try:
-            layer = OmegaConf.to_container(OmegaConf.from_dotlist([text[len(op):]]), resolve=False)
+            layer = OmegaConf.to_container(OmegaConf.from_dotlist([_base60_as_text(text[len(op):])]), resolve=False)
         except Exception as exc:  # OmegaConf grammar errors
             problems.append(Problem(where, key, f"cannot parse override value: {_first_line(exc)}"))
             continue

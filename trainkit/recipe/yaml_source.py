@@ -8,6 +8,8 @@ and the total number of nodes after alias expansion ("billion laughs").
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,21 @@ MAX_NODES = 20_000  # after alias expansion
 
 Path_ = tuple  # a path into the data: ("trainer", "checkpoint", "every") or ("monitors", 0)
 KEY = "\0key"  # positions[path + (KEY,)] is where the key of `path` was written; positions[path] its value
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: same nodes and marks, 10x faster
+_BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: same nodes and marks, 10x faster
+
+
+class _LOADER(_BASE_LOADER):
+    """The safe loader without YAML 1.1's base-60 numbers: `nnodes: 2:4` is the string '2:4' (as in
+    YAML 1.2), not the integer 124, since `launch.nnodes` takes 'MIN:MAX'."""
+
+
+_LOADER.yaml_implicit_resolvers = {
+    first: [(tag, re.compile(rx.pattern.replace("|[-+]?[1-9][0-9_]*(?::[0-5]?[0-9])+", "")
+                             .replace("|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\\.[0-9_]*", ""), re.X))
+            if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") else (tag, rx)
+            for tag, rx in resolvers]
+    for first, resolvers in _BASE_LOADER.yaml_implicit_resolvers.items()
+}
 _ALLOWED_TAGS = {
     "tag:yaml.org,2002:" + t for t in ("str", "int", "float", "bool", "null", "map", "seq")
 }
