@@ -545,7 +545,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         recipe = resolve(run_dir / "recipe.yaml").recipe
     except RecipeError:  # its ${oc.env:...} references need the run's environment: the shown copy will do
         recipe = resolve(run_dir / "recipe.resolved.yaml").recipe
-    print(diagnose(evidence["per_rank"], recipe).markdown(recipe.name), end="")
+    print(diagnose(evidence["per_rank"], recipe, env=evidence.get("env"), wall=evidence.get("wall"),
+                   gpu=evidence.get("gpu"), global_batch=evidence.get("global_batch")).markdown(recipe.name), end="")
     return EXIT_OK
 
 
