@@ -254,6 +254,33 @@ trainkit report runs/resnet152-ddp""")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.set_defaults(func=cmd_report)
 
+    p = _command(sub, "top", "live view of a training run: per-rank step phases, CPU/GPU, memory",
+                 "Show a run while it trains, refreshed from its files (metrics.jsonl, live/breakdown.json): step, "
+                 "loss, samples/s, every rank's step time, data wait and phases (`breakdown` monitor), CPU and "
+                 "memory per node (`system`), GPU utilisation and memory per rank (`gpu`). Works from any shell "
+                 "that sees the run directory; exits when the run finishes.",
+                 """
+trainkit top runs/resnet152-ddp
+trainkit top runs/resnet152-ddp --once        # one frame, e.g. for a log""")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(func=cmd_top)
+
+    p = _command(sub, "plugins", "list installed plugins, or scaffold a new one (plugins new KIND NAME)",
+                 "Without arguments: every installed model, dataset, strategy and monitor plugin with the package "
+                 "it comes from, its entry point and its options (warning about options modules that import torch "
+                 "at module level: they slow `trainkit validate`). `plugins KIND` lists one kind. `plugins new "
+                 "KIND NAME` writes an installable package trainkit-NAME with a passing test (docs/plugins.md).",
+                 """
+trainkit plugins
+trainkit plugins monitors
+trainkit plugins new monitor step_alarm --dir ~/src   # then: pip install ~/src/trainkit-step-alarm""")
+    p.add_argument("action", nargs="*", metavar="[KIND] | new KIND NAME",
+                   help="a kind to list (model, dataset, strategy, monitor), or `new KIND NAME`")
+    p.add_argument("--dir", default=".", help="where `new` writes the package (default: here)")
+    p.set_defaults(func=cmd_plugins)
+
     p = _command(sub, "completion", "print a shell completion script (bash, zsh or fish)",
                  "Print a completion script for commands, options, recipe paths, and override keys and values "
                  "from the schema (including installed plugins).",
@@ -614,7 +641,48 @@ def cmd_report(args: argparse.Namespace) -> int:
         recipe = resolve(run_dir / "recipe.yaml").recipe
     except RecipeError:  # its ${oc.env:...} references need the run's environment: the shown copy will do
         recipe = resolve(run_dir / "recipe.resolved.yaml").recipe
-    print(diagnose(evidence["per_rank"], recipe).markdown(recipe.name), end="")
+    print(diagnose(evidence["per_rank"], recipe, env=evidence.get("env"), wall=evidence.get("wall"),
+                   gpu=evidence.get("gpu"), global_batch=evidence.get("global_batch")).markdown(recipe.name), end="")
+    return EXIT_OK
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .monitors.top import NotARunDir, top
+
+    try:
+        return top(Path(args.run_dir), interval=args.interval, once=args.once)
+    except NotARunDir as err:
+        print(f"trainkit: {err}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .scaffold import ScaffoldError, kind_of, listing, scaffold
+
+    action = list(args.action)
+    try:
+        if action[:1] == ["new"]:
+            if len(action) != 3:
+                print("usage: trainkit plugins new KIND NAME (KIND: model, dataset, strategy, monitor)",
+                      file=sys.stderr)
+                return EXIT_INVALID
+            root = scaffold(action[1], action[2], Path(args.dir))
+            print(f"trainkit: wrote {root}\n  install: pip install {root}\n  test:    pytest {root / 'tests'}")
+            return EXIT_OK
+        if len(action) > 1:
+            print("usage: trainkit plugins [KIND] | trainkit plugins new KIND NAME", file=sys.stderr)
+            return EXIT_INVALID
+        text, warnings = listing([kind_of(action[0])] if action else None)
+    except ScaffoldError as err:
+        print(f"trainkit: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    print(text)
+    for w in warnings:
+        print(f"trainkit: warning: {w}", file=sys.stderr)
     return EXIT_OK
 
 

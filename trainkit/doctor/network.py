@@ -130,6 +130,23 @@ def master_port(resolved) -> Check:
     return failed(name, detail, fix)
 
 
+def monitor_ports(resolved) -> Optional[Check]:
+    """Ports the recipe's monitors serve on (`prometheus`) must be free on this node before launch."""
+    recipe = getattr(resolved, "recipe", None)
+    wanted = [(m.name, m.host, m.port) for m in getattr(recipe, "monitors", ()) if hasattr(m, "port")]
+    if not wanted:
+        return None
+    name = "monitor ports"
+    for monitor, host, port in wanted:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        busy = port_in_use(port, family)
+        if busy is not None:
+            return failed(name, f"the {monitor} monitor's port {port} is in use{_holder(port)} ({busy})",
+                          f"stop that process, or set the {monitor} monitor's port to a free one, e.g. "
+                          f"monitors: [{{name: {monitor}, port: {free_port()}}}]")
+    return passed(name, ", ".join(f"{m} {h}:{p} free" for m, h, p in wanted))
+
+
 def rendezvous(resolved) -> Optional[Check]:
     """A remote rendezvous host must answer on its port within a second."""
     ep = endpoint(resolved)

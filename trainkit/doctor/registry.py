@@ -31,6 +31,7 @@ CHECKS: list[Entry] = [
     Entry("GPUs", devices.gpus, devices.gpus),
     Entry("cluster", cluster.environment),  # `trainkit run` reports the same detection itself
     Entry("master port", network.master_port, network.master_port),
+    Entry("monitor ports", network.monitor_ports, network.monitor_ports),
     Entry("rendezvous", network.rendezvous),  # may wait CONNECT_TIMEOUT_S; nodes start in any order
     Entry("socket ifname", network.socket_ifname, network.socket_ifname),
     Entry("/dev/shm", resources.shm, resources.shm),

@@ -57,6 +57,9 @@ class Monitor:
 
     def on_checkpoint(self, step: int, path: Path) -> None: ...
 
+    def on_log(self, step: int, metrics: dict) -> None:
+        """Every rank, at log steps, with what the loop logs (rank 0: including every monitor's metrics)."""
+
     def on_exception(self, exc: BaseException) -> None: ...
 
     def collect(self, step: int) -> dict:
@@ -88,7 +91,9 @@ class MonitorSet:
 
     def call(self, hook: str, *args) -> None:
         for m in self.monitors:
-            getattr(m, hook)(*args)
+            fn = getattr(m, hook, None)  # a third-party monitor written before a hook existed lacks it
+            if fn is not None:
+                fn(*args)
 
     def _gather(self, local: dict) -> list[dict]:
         if self.ctx.world_size == 1:

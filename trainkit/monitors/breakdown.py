@@ -4,6 +4,9 @@ events (see runtime.timing), kept unresolved and resolved once per log interval 
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from typing import Optional
 
 from .base import Monitor, StepTimes
@@ -42,6 +45,7 @@ class BreakdownMonitor(Monitor):
         return {k: window[k] / n for k in PHASES if n and k in window}
 
     def report(self, step: int, per_rank: list[dict]) -> dict:
+        self._write_live(step, per_rank)
         out = {}
         for phase in PHASES:
             values = [r[phase] for r in per_rank if phase in r]
@@ -50,6 +54,18 @@ class BreakdownMonitor(Monitor):
                 if len(values) > 1:
                     out[f"breakdown/{phase}_max_s"] = max(values)
         return out
+
+    def _write_live(self, step: int, per_rank: list[dict]) -> None:
+        """RUN_DIR/live/breakdown.json: every rank's phases of the last interval, for `trainkit top`."""
+        live = self.ctx.run_dir / "live"
+        try:
+            live.mkdir(exist_ok=True)
+            tmp = live / "breakdown.json.tmp"
+            tmp.write_text(json.dumps({"step": step, "time": time.time(),
+                                       "per_rank": [dict(r, rank=i) for i, r in enumerate(per_rank)]}))
+            os.replace(tmp, live / "breakdown.json")
+        except OSError:  # a live view is not worth failing a run over
+            pass
 
     def finish(self, per_rank: list[dict]) -> Optional[str]:
         return None  # the run report's table comes from the loop's own run-long statistics

@@ -5,6 +5,7 @@ the loop logs). Without a GPU or NVML it says so once and does nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -105,10 +106,14 @@ class Sampler:
 
 
 class GpuMonitor(Monitor):
+    """Also keeps the run-long mean utilisation per rank: `finish` writes it to reports/gpu.json, where
+    the bottleneck verdict reads it ("GPU busy 43% of the time")."""
+
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         read = nvml_reader(ctx.device, ctx.rank)
         self.sampler = Sampler(read, options.interval_s).start() if read is not None else None
+        self.busy = [0.0, 0]  # utilisation sum and sample windows over the run
 
     def collect(self, step: int) -> dict:
         if self.sampler is None:
@@ -118,7 +123,22 @@ class GpuMonitor(Monitor):
             self.sampler.sample()
             values = self.sampler.take()
             values.pop("samples")
+        if "utilization_percent" in values:
+            self.busy[0] += values["utilization_percent"]
+            self.busy[1] += 1
+        if step == -1:  # the end of the run: the run-long mean rides along for finish()
+            values["run_utilization_percent"] = self.busy[0] / self.busy[1] if self.busy[1] else None
         return values
+
+    def finish(self, per_rank: list[dict]):
+        busy = [r.get("run_utilization_percent") for r in per_rank if r.get("run_utilization_percent") is not None]
+        if not busy:
+            return None
+        mean = sum(busy) / len(busy)
+        reports = self.ctx.run_dir / "reports"
+        reports.mkdir(exist_ok=True)
+        (reports / "gpu.json").write_text(json.dumps({"busy_percent": mean, "per_rank": busy}) + "\n")
+        return "## GPU\n\n" + "\n".join(f"- rank {r}: busy {b:.0f}% of the time" for r, b in enumerate(busy)) + "\n"
 
     def report(self, step: int, per_rank: list[dict]) -> dict:
         return {f"gpu/rank{r}/{k}": v for r, values in enumerate(per_rank) for k, v in values.items()}

@@ -252,6 +252,25 @@ class StragglersMonitorOptions(MonitorOptions):
     margin: PositiveFloat = Field(default=0.2, description="fraction slower than the median that counts as late")
 
 
+class PrometheusMonitorOptions(MonitorOptions):
+    """Live metrics for Prometheus (and the Grafana dashboard in docs/grafana-dashboard.json): an HTTP
+    /metrics endpoint on each node's local rank 0."""
+
+    component: ClassVar[str] = "trainkit.monitors.prometheus:PrometheusMonitor"
+    name: Literal["prometheus"]
+    port: int = Field(default=9464, ge=1, le=65535, description="TCP port of /metrics on every node")
+    host: str = Field(default="127.0.0.1", description="address to bind (anything but loopback exposes the "
+                                                       "metrics to the network, unauthenticated)")
+
+
+class TensorBoardMonitorOptions(MonitorOptions):
+    """Every logged scalar as TensorBoard events (RUN_DIR/tensorboard), beside MLflow."""
+
+    component: ClassVar[str] = "trainkit.monitors.tensorboard:TensorBoardMonitor"
+    name: Literal["tensorboard"]
+    log_dir: Optional[str] = Field(default=None, description="event folder (default: RUN_DIR/tensorboard)")
+
+
 # --------------------------------------------------------------------------- plain blocks
 class SGDOptions(Block):
     name: Literal["sgd"]

@@ -38,6 +38,35 @@ class TrainState:
     skipped_steps: int = 0  # optimizer steps discarded for a non-finite value (trainer.on_nonfinite: skip_step)
 
 
+@dataclass
+class WallTimes:
+    """Whole-run time accounting of this launch (rank 0's view): where wall time goes besides the
+    measured steps. `startup_s` runs from process start to the first step; shutdown is added by the
+    worker when it writes the report. Shares are of wall time since process start."""
+
+    process_start: float  # time.time() when this process started
+    train_s: float = 0.0
+    eval_s: float = 0.0
+    checkpoint_s: float = 0.0
+    logging_s: float = 0.0
+    startup_s: float = 0.0
+    shutdown_s: float = 0.0
+    evals: int = 0
+    checkpoints: int = 0
+    steps: int = 0
+    loop_end: Optional[float] = None  # time.time() after the last step's work
+
+    def shares(self, now: float) -> dict:
+        wall = max(now - self.process_start, 1e-9)
+        return {f"time/{p}_share": getattr(self, f"{p}_s") / wall
+                for p in ("train", "eval", "checkpoint", "logging", "startup")}
+
+    def as_dict(self, now: float) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("process_start", "loop_end")}
+        out["wall_s"] = now - self.process_start
+        return out
+
+
 def global_batch(recipe: Recipe, data_parallel_size: int) -> int:
     """Samples per optimizer step over all data-parallel ranks (pipeline stages share one batch)."""
     return recipe.data.batch_size * data_parallel_size * recipe.trainer.grad_accum_steps
@@ -72,6 +101,7 @@ class Loop:
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)
     last_checkpoint: Optional[Path] = None  # the newest checkpoint known good (the resume source at start)
+    process_start: Optional[float] = None  # time.time() at process start (the worker's): start-up accounting
 
     def __post_init__(self):
         self.guard = NonFiniteGuard(self.device)
@@ -220,7 +250,12 @@ class Loop:
         self.model.train()
         self.monitors.call("on_run_start")
         first_step_at = None
+        self.wall = wall = WallTimes(self.process_start or time.time())
         while self.state.step < t.max_steps:
+            i0 = time.perf_counter()
+            if first_step_at is None:
+                wall.startup_s = time.time() - wall.process_start
+            side = 0.0  # this iteration's evaluation, logging and checkpoint time
             self.monitors.call("on_step_start", self.state.step + 1)
             loss, grad_norm, times = self.train_step(data)
             if not self.skipped:  # a discarded step's NaN would make the interval's mean NaN
@@ -240,6 +275,7 @@ class Loop:
                 self.progress.update(step, loss.item())
             last = step == t.max_steps
             if step % t.log_every == 0 or last or (t.eval_every and step % t.eval_every == 0):
+                l0, e_s = time.perf_counter(), 0.0
                 metrics = {**self.interval_loss(),
                            "lr": self.optimizer.param_groups[0]["lr"], "epoch": self.state.epoch,
                            "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
@@ -248,22 +284,39 @@ class Loop:
                 metrics.update(self.task.log_metrics(metrics))  # e.g. perplexity, tokens/s
                 metrics.update(self.stats.interval_means())  # step_time_s, data_wait_s (this rank)
                 if self.eval_loader is not None and t.eval_every and (step % t.eval_every == 0 or last):
+                    e0 = time.perf_counter()
                     evaluated = self.evaluate()
+                    e_s = time.perf_counter() - e0
+                    wall.eval_s += e_s
+                    wall.evals += 1
                     self.monitors.call("on_eval", step, evaluated)
                     metrics.update(evaluated)
                 if t.on_nonfinite == "skip_step":
                     metrics["skipped_steps"] = self.state.skipped_steps
                 metrics.update(self.monitors.log_step(step))
+                metrics.update(wall.shares(time.time()))
+                self.monitors.call("on_log", step, metrics)
                 for sink in self.sinks:
                     sink.log(metrics, step)
                 self._stop_if_nonfinite(step, weights=False)
+                logged = time.perf_counter() - l0
+                wall.logging_s += logged - e_s
+                side += logged
             if (t.checkpoint.every and step % t.checkpoint.every == 0) or last:
+                c0 = time.perf_counter()
                 self._stop_if_nonfinite(step, weights=True)  # a NaN never reaches a checkpoint
                 last_ckpt = self.checkpointer.save(step, self.model, self.optimizer, self.trainer_state())
                 self.last_checkpoint = last_ckpt
                 self.monitors.call("on_checkpoint", step, last_ckpt)
+                saved = time.perf_counter() - c0
+                wall.checkpoint_s += saved
+                wall.checkpoints += 1
+                side += saved
             for hook in self.step_hooks:
                 hook(step)
+            wall.train_s += time.perf_counter() - i0 - side
+            wall.steps += 1
+        wall.loop_end = time.time()
         if self.progress:
             self.progress.close()
         elapsed = time.perf_counter() - t0
@@ -283,4 +336,5 @@ class Loop:
             "skipped_images": skipped,
             "checkpoint": str(last_ckpt) if last_ckpt else None,
             "first_step_at": first_step_at, "per_rank_times": per_rank_stats, "report_sections": report_sections,
+            "wall_times": wall, "device": self.device.type,
         }

@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import registry
 from ..monitors.base import build_monitors, context
-from ..monitors.bottleneck import diagnose
+from ..monitors.bottleneck import describe_env, diagnose
 from ..recipe import drift, resolve
 from ..recipe.launch_plan import FATAL_FILE
 from ..recipe.schema import Recipe
@@ -102,15 +103,30 @@ class NonRetryableError(RuntimeError):
 
 
 def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
-    """reports/breakdown.json (the evidence) and reports/bottleneck.md; returns the console lines."""
+    """reports/breakdown.json (the evidence), reports/bottleneck.md and reports/verdict.json (what
+    tracking turns into run tags); returns the console lines. Shutdown time (last step to now) is
+    recorded here, the last thing a run does before it exits."""
     reports = run_dir / "reports"
     reports.mkdir(exist_ok=True)
+    wall = summary.pop("wall_times", None)
+    now = time.time()
+    if wall is not None:
+        wall.shutdown_s = now - (wall.loop_end or now)
+        wall = wall.as_dict(now)
+        summary["wall_times"] = wall
+    gpu_file = reports / "gpu.json"  # the gpu monitor's utilisation over the run
+    gpu = json.loads(gpu_file.read_text()) if gpu_file.is_file() else None
     evidence = {"name": recipe.name, "per_rank": summary.pop("per_rank_times"),
-                "steps": summary["steps"], "world_size": summary["world_size"]}
+                "steps": summary["steps"], "world_size": summary["world_size"],
+                "global_batch": summary.get("global_batch"),
+                "env": describe_env(summary.pop("device", "cpu"), dist.get_backend() if dist.is_initialized() else None),
+                "wall": wall, "gpu": gpu}
     (reports / "breakdown.json").write_text(json.dumps(evidence, indent=2) + "\n")
-    diagnosis = diagnose(evidence["per_rank"], recipe)
+    diagnosis = diagnose(evidence["per_rank"], recipe, env=evidence["env"], wall=wall, gpu=gpu,
+                         global_batch=evidence["global_batch"])
     sections = summary.pop("report_sections", [])
     (reports / "bottleneck.md").write_text(diagnosis.markdown(recipe.name) + "".join("\n" + s for s in sections))
+    (reports / "verdict.json").write_text(json.dumps(diagnosis.summary(), indent=2) + "\n")
     summary["bottleneck"] = diagnosis.kind
     return diagnosis.console()
 
@@ -135,6 +151,16 @@ def apply_accepted_changes(saved: Optional[dict], now: dict, recipe: Recipe, opt
         print(f"trainkit: accepted recipe changes take effect at step {step}: lr {optimizer.param_groups[0]['lr']:.6g}",
               flush=True)
     return fresh
+
+
+def _process_start() -> float:
+    """When this process started (time.time()): start-up is measured from here to the first step."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return time.time()
 
 
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
@@ -196,7 +222,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                 precision=precision, task=task, train_loader=train_loader,
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
                 sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
-                step_hooks=step_hooks, last_checkpoint=source)
+                step_hooks=step_hooks, last_checkpoint=source, process_start=_process_start())
     try:
         summary = loop.run()
     except (NonFiniteError, DiskFullError) as exc:

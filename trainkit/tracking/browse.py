@@ -124,9 +124,44 @@ def _find_run(client, ids: list[str], prefix: str):
     raise TrackingError(f"no run matches '{prefix}'")
 
 
+# the verdict and step-time breakdown tags a run gets at its end (tracking.run.verdict_tags)
+BREAKDOWN_TAGS = (("step ms", "trainkit.step_ms", "ms"), ("data wait", "trainkit.data_wait_share", "%"),
+                  ("forward ms", "trainkit.forward_ms", "ms"), ("backward ms", "trainkit.backward_ms", "ms"),
+                  ("optimizer ms", "trainkit.optimizer_ms", "ms"),
+                  ("exposed comm", "trainkit.comm_exposed_share", "%"), ("GPU busy", "trainkit.gpu_busy_percent", "pct"),
+                  ("wall: train", "trainkit.time.train_share", "%"), ("wall: eval", "trainkit.time.eval_share", "%"),
+                  ("wall: checkpoint", "trainkit.time.checkpoint_share", "%"),
+                  ("wall: logging", "trainkit.time.logging_share", "%"),
+                  ("wall: start-up", "trainkit.time.startup_share", "%"),
+                  ("wall: shutdown", "trainkit.time.shutdown_share", "%"))
+
+
+def _tag_value(text: Optional[str], unit: str) -> str:
+    if text is None:
+        return "-"
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return f"{value:.0%}" if unit == "%" else f"{value:.0f}%" if unit == "pct" else f"{value:.1f}"
+
+
+def verdict_rows(runs) -> list[list[str]]:
+    """Bottleneck verdict, top advice and step-time breakdown of each run, side by side."""
+    if not any("trainkit.bottleneck" in r.data.tags for r in runs):
+        return []
+    rows = [["bottleneck", *[r.data.tags.get("trainkit.bottleneck", "-") for r in runs]],
+            ["top advice", *[(r.data.tags.get("trainkit.advice.1", "-")[:60]) for r in runs]]]
+    for label, tag, unit in BREAKDOWN_TAGS:
+        if any(tag in r.data.tags for r in runs):
+            rows.append([label, *[_tag_value(r.data.tags.get(tag), unit) for r in runs]])
+    return rows
+
+
 @_store_errors
 def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "http://127.0.0.1:5000") -> str:
-    """Side by side: params that differ, final and best metrics, throughput, wall time."""
+    """Side by side: params that differ, the bottleneck verdicts and step-time breakdowns, final and best
+    metrics, throughput, wall time."""
     uri = credentials.adopt(uri) if uri else default_uri()
     client = _client(uri)
     ids = _all_experiment_ids(client)
@@ -138,6 +173,7 @@ def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "h
     differing = [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
     for k in differing:
         rows.append([k, *[r.data.params.get(k, "-") for r in runs]])
+    rows += verdict_rows(runs)
     metric_keys = [k for k in SUMMARY_METRICS if any(k in r.data.metrics for r in runs)]
     for k in metric_keys:
         rows.append([f"{k} (final)", *[f"{r.data.metrics[k]:.4g}" if k in r.data.metrics else "-" for r in runs]])

@@ -50,12 +50,26 @@ def client_for(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+# MLflow 3.x opens an experiment without this tag in its GenAI view; training runs belong in the
+# model-training view. The installed mlflow has no Python constant for it (the UI's ExperimentKind enum).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 def ensure_experiment(client, name: str, uri: str) -> str:
+    """The experiment's id, created with the model-training kind; an existing experiment without a
+    kind gets it (one chosen by its owner is left alone)."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+            try:
+                client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            except Exception:  # read-only permissions on a shared experiment: not worth failing a run
+                pass
         return exp.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=artifact_root_for(uri))
+        return client.create_experiment(name, artifact_location=artifact_root_for(uri),
+                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:
         exp = client.get_experiment_by_name(name)  # another process created it meanwhile
         if exp is None:

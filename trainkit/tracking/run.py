@@ -120,6 +120,17 @@ def continue_in_new_run(run_dir: Path, step: int, recipe_data: dict, reason: Opt
                             "params": flatten(recipe_data), "reason": f"recipe changed: {reason}"}])
 
 
+def verdict_tags(run_dir: Path) -> dict[str, str]:
+    """The bottleneck verdict, its top advice and the step-time breakdown as run tags
+    (`trainkit.bottleneck`, `trainkit.advice.1`, `trainkit.step_ms`, ...), from reports/verdict.json:
+    tags, unlike artifacts, can be filtered and sorted on in the MLflow UI and `search_runs`."""
+    path = run_dir / "reports" / "verdict.json"
+    try:
+        return {str(k): str(v) for k, v in json.loads(path.read_text()).get("tags", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
               extra_artifacts: Sequence[tuple[Path, Optional[str]]] = (), extra_tags: Optional[dict] = None,
               timeout: float = 30.0) -> str:
@@ -139,7 +150,8 @@ def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
         (run_dir / "profiler", "profiler"),
     ) if p.exists()]
     records += [{"op": "artifact", "path": str(p), "dir": d} for p, d in extra_artifacts if Path(p).exists()]
-    records.append({"op": "tags", "tags": dict(extra_tags or {}, **{"trainkit.status_reason": reason[:5000]})})
+    tags = {**verdict_tags(run_dir), **(extra_tags or {}), "trainkit.status_reason": reason[:5000]}
+    records.append({"op": "tags", "tags": tags})
     records.append({"op": "status", "status": status, "ts": _now_ms()})
     spool.append(records)
     deadline = time.monotonic() + timeout
@@ -210,7 +222,7 @@ def finalize_dead_launch(run_dir: Path, launch_dir: Optional[Path], finished: bo
     records = [{"op": "artifact", "path": str(p), "dir": d} for p, d in (
         (run_dir / "summary.json", None), (run_dir / "reports", "reports"),
     ) if finished and p.exists()]
-    tags = {"trainkit.status_reason": reason}
+    tags = {**(verdict_tags(run_dir) if finished else {}), "trainkit.status_reason": reason}
     if launch_dir is not None:
         tags["trainkit.dead_launch"] = launch_dir.name
     records += [{"op": "tags", "tags": tags}, {"op": "status", "status": status, "ts": _now_ms()}]

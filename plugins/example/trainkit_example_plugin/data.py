@@ -17,14 +17,17 @@ class BlobsData(DataOptions):
     num_classes: PositiveInt = Field(default=4, description="clusters")
 
 
-def build_blobs(options: BlobsData, *, seed: int, train: bool = True):
+def build_blobs(options: BlobsData, *, split: str, seed: int):
+    """split: "train" or "eval" (a held-out tenth) -> a Dataset of (features, label)."""
     import torch
     from torch.utils.data import TensorDataset
 
+    train = split == "train"
     g = torch.Generator().manual_seed(seed + (0 if train else 1))
+    n = options.num_samples if train else max(options.batch_size, options.num_samples // 10)
     centers = torch.randn(options.num_classes, options.dim, generator=torch.Generator().manual_seed(seed)) * 3
-    labels = torch.randint(0, options.num_classes, (options.num_samples,), generator=g)
-    x = centers[labels] + torch.randn(options.num_samples, options.dim, generator=g)
+    labels = torch.randint(0, options.num_classes, (n,), generator=g)
+    x = centers[labels] + torch.randn(n, options.dim, generator=g)
     return TensorDataset(x, labels)
 
 

@@ -1,0 +1,192 @@
+"""Every advice rule of the bottleneck report, on synthetic breakdowns: it states the mechanism and
+the expected effect in the recipe's own terms, and is given only where the recipe's strategy,
+backend and device can act on it. No process is launched."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainkit.monitors.bottleneck import diagnose
+from trainkit.recipe import Recipe, resolve
+
+
+def recipe(**sections) -> Recipe:
+    data = {
+        "name": "synthetic-advice",
+        "model": {"name": "mlp"},
+        "data": {"name": "synthetic", "batch_size": 64},
+        "strategy": {"name": "ddp"},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "trainer": {"max_steps": 1000, "log_every": 10},
+        "launch": {"nproc_per_node": 4},
+    }
+    for key, value in sections.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "recipe.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return resolve(path).recipe
+
+
+def ranks(n=4, *, total=0.100, data_wait=0.002, forward=0.020, optimizer=0.005, comm=None, exposed=None):
+    out = []
+    for r in range(n):
+        row = {"rank": r, "host": "node-a", "steps": 50, "total": total, "data_wait": data_wait, "forward": forward,
+               "compute": total - data_wait - optimizer, "optimizer": optimizer}
+        row["backward"] = row["compute"] - forward
+        if comm is not None:
+            row.update(comm=comm, comm_exposed=exposed)
+        out.append(row)
+    return out
+
+
+def texts(d) -> list[str]:
+    return [a.text for a in d.ranked()]
+
+
+def one(d, prefix: str) -> str:
+    found = [t for t in texts(d) if t.startswith(prefix)]
+    assert len(found) == 1, (prefix, texts(d))
+    return found[0]
+
+
+def none(d, fragment: str) -> None:
+    assert not [t for t in texts(d) if fragment in t], texts(d)
+
+
+COMM = dict(comm=0.060, exposed=0.040)  # 40% of a 100 ms step exposed
+
+
+# --------------------------------------------------------------------------- communication
+def test_accumulation_advice_raises_the_global_batch_and_names_the_lr_change():
+    d = diagnose(ranks(**COMM), recipe(), env={"device": "cuda", "backend": "nccl"})
+    assert d.kind == "communication-bound"
+    text = one(d, "raise trainer.grad_accum_steps from 1 to 4")
+    assert "global batch 256 → 1024" in text and "one all-reduce per 4x more samples" in text
+    assert "scale optimizer.lr accordingly (linear rule: 0.1 → 0.4" in text
+    none(d, "4x smaller data.batch_size")  # the old advice: same samples per all-reduce, nothing saved
+
+
+def test_accumulation_advice_uses_the_square_root_rule_for_adam():
+    d = diagnose(ranks(**COMM), recipe(optimizer={"name": "adamw", "lr": 0.001}), env={"backend": "gloo"})
+    assert "square-root rule for adamw: 0.001 → 0.002" in one(d, "raise trainer.grad_accum_steps")
+
+
+def test_bf16_compression_only_with_nccl_and_fp16_compression_on_gloo():
+    nccl = diagnose(ranks(**COMM), recipe(), env={"device": "cuda", "backend": "nccl"})
+    text = one(nccl, "set strategy.comm_hook: bf16_compress")
+    assert "halving the bytes of each all-reduce" in text and "up to ~20.0 of the 40.0 ms exposed" in text
+    gloo = diagnose(ranks(**COMM), recipe(), env={"device": "cpu", "backend": "gloo"})
+    none(gloo, "bf16_compress:")
+    assert "bf16_compress needs NCCL; this run uses gloo" in one(gloo, "set strategy.comm_hook: fp16_compress")
+    unknown = diagnose(ranks(**COMM), recipe())  # backend auto, an old report: no guess
+    none(unknown, "strategy.comm_hook")
+    already = diagnose(ranks(**COMM), recipe(strategy={"name": "ddp", "comm_hook": "fp16_compress"}),
+                       env={"backend": "nccl"})
+    none(already, "strategy.comm_hook")
+
+
+def test_bucket_advice_only_for_tiny_buckets():
+    tiny = diagnose(ranks(**COMM), recipe(strategy={"name": "ddp", "bucket_cap_mb": 0.5}), env={"backend": "gloo"})
+    assert "fewer, larger ones cut most of the 40.0 ms exposed" in one(tiny, "raise strategy.bucket_cap_mb from 0.5 to 25")
+    none(diagnose(ranks(**COMM), recipe(), env={"backend": "gloo"}), "bucket_cap_mb")
+
+
+def test_static_graph_advice_names_what_ddp_skips_and_not_with_unused_parameters():
+    d = diagnose(ranks(**COMM), recipe(), env={"backend": "gloo"})
+    assert "skips its per-step search for unused parameters" in one(d, "set strategy.static_graph: true")
+    none(diagnose(ranks(**COMM), recipe(strategy={"name": "ddp", "find_unused_parameters": True}),
+                  env={"backend": "gloo"}), "static_graph")
+
+
+def test_no_ddp_advice_for_other_strategies_a_single_rank_or_overlapped_communication():
+    for r in (recipe(strategy={"name": "fsdp"}), recipe(strategy={"name": "pipeline"})):
+        d = diagnose(ranks(**COMM), r, env={"backend": "nccl", "device": "cuda"})
+        for key in ("strategy.", "grad_accum_steps"):
+            none(d, key)
+    none(diagnose(ranks(1, **COMM), recipe(), env={"backend": "gloo"}), "grad_accum_steps")
+    overlapped = diagnose(ranks(comm=0.060, exposed=0.005), recipe(), env={"backend": "gloo"})
+    assert overlapped.kind == "compute-bound"  # 60% in flight but only 5% exposed: judged on exposed
+    none(overlapped, "strategy.")
+
+
+# --------------------------------------------------------------------------- data
+def test_data_advice_states_mechanism_and_share():
+    d = diagnose(ranks(data_wait=0.050), recipe(), env={"device": "cpu", "backend": "gloo"})
+    assert d.kind == "data-bound"
+    text = one(d, "set data.num_workers: ")
+    assert "(now 0)" in text and "stall it 50.0 ms per step (50%)" in text and "saving up to that 50%" in text
+    some = diagnose(ranks(data_wait=0.050), recipe(data={"num_workers": 1}), env={"device": "cpu"})
+    assert "each worker keeps 4 batches ready instead of 2" in one(some, "raise data.prefetch_factor from 2 to 4")
+    assert "started again at every epoch boundary" in one(some, "set data.persistent_workers: true")
+
+
+def test_pin_memory_advice_only_on_cuda():
+    gpu = diagnose(ranks(data_wait=0.050), recipe(), env={"device": "cuda", "backend": "nccl"})
+    assert "page-locked host memory" in one(gpu, "set data.pin_memory: true")
+    none(diagnose(ranks(data_wait=0.050), recipe(), env={"device": "cpu", "backend": "gloo"}), "pin_memory")
+    none(diagnose(ranks(data_wait=0.050), recipe(data={"pin_memory": True}), env={"device": "cuda"}), "pin_memory")
+
+
+# --------------------------------------------------------------------------- compute
+def test_bf16_precision_advice_only_where_bf16_runs_fast():
+    yes = diagnose(ranks(), recipe(), env={"device": "cuda", "backend": "nccl", "bf16": True})
+    assert "tensor cores" in one(yes, "set precision: bf16")
+    cpu = diagnose(ranks(), recipe(), env={"device": "cpu", "backend": "gloo", "bf16": True})
+    assert "AMX/AVX512-BF16" in one(cpu, "set precision: bf16")
+    none(diagnose(ranks(), recipe(), env={"device": "cpu", "bf16": False}), "precision")
+    none(diagnose(ranks(), recipe(precision="bf16"), env={"device": "cuda", "bf16": True}), "precision")
+
+
+def test_gpu_utilisation_enters_the_verdict_and_batch_advice():
+    d = diagnose(ranks(), recipe(), env={"device": "cuda", "backend": "nccl"}, gpu={"busy_percent": 43.0})
+    assert d.kind == "compute-bound" and "GPU busy 43% of the time" in d.headline
+    assert any("GPU busy 43% of the time" in e for e in d.evidence)
+    text = one(d, "raise data.batch_size from 64 to 128")
+    assert "global batch 256 → 512" in text and "0.1 → 0.2" in text
+    busy = diagnose(ranks(), recipe(), env={"device": "cuda"}, gpu={"busy_percent": 95.0})
+    assert "GPU busy" not in busy.headline
+    none(busy, "data.batch_size")
+    assert d.tags()["trainkit.gpu_busy_percent"] == "43"
+
+
+# --------------------------------------------------------------------------- whole-run time
+WALL = dict(wall_s=100.0, train_s=70.0, eval_s=2.0, checkpoint_s=18.0, logging_s=3.0, startup_s=6.0,
+            shutdown_s=1.0, checkpoints=100, evals=10, steps=1000)
+
+
+def test_checkpoint_advice_projects_the_cost_of_a_longer_interval():
+    d = diagnose(ranks(), recipe(trainer={"checkpoint": {"every": 10}}), wall=WALL)
+    text = one(d, "trainer.checkpoint.every 10 costs 18% of wall time")
+    every, share = re.search(r"every (\d+) would cost (\d+)%", text).groups()
+    assert int(every) == 50 and int(share) <= 5  # 20 saves x 0.18 s of 85.8 s
+    assert ["checkpoint", "18.00", "18%"] in d.wall and "| checkpoint | 18.00 | 18% |" in d.markdown("x")
+    quiet = dict(WALL, checkpoint_s=3.0, train_s=85.0)
+    none(diagnose(ranks(), recipe(trainer={"checkpoint": {"every": 10}}), wall=quiet), "checkpoint.every")
+
+
+def test_evaluation_advice_above_ten_percent_of_wall_time():
+    wall = dict(WALL, eval_s=25.0, train_s=63.0, checkpoint_s=2.0, logging_s=3.0)
+    d = diagnose(ranks(), recipe(trainer={"eval_every": 100, "eval_steps": 50}), wall=wall)
+    text = one(d, "trainer.eval_every 100 costs 25% of wall time (10 evaluations of 50 batches, 2.50 s each)")
+    assert "would cost" in text and "lower trainer.eval_steps from 50" in text
+
+
+def test_logging_advice_when_tracking_costs_more_than_ten_percent():
+    wall = dict(WALL, logging_s=15.0, train_s=75.0, checkpoint_s=2.0)
+    d = diagnose(ranks(), recipe(trainer={"log_every": 1}), wall=wall)
+    assert "costs 15% of wall time" in one(d, "raise trainer.log_every from 1 to 10")
+
+
+def test_verdict_tags_for_mlflow():
+    d = diagnose(ranks(**COMM), recipe(), env={"backend": "nccl", "device": "cuda"}, wall=WALL)
+    tags = d.tags()
+    assert tags["trainkit.bottleneck"] == "communication-bound"
+    assert tags["trainkit.advice.1"] == d.ranked()[0].text
+    assert float(tags["trainkit.step_ms"]) == pytest.approx(100.0)
+    assert float(tags["trainkit.time.checkpoint_share"]) == pytest.approx(0.18)
