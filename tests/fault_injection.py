@@ -70,9 +70,13 @@ def install_fsdp_probe(*, model, rank: int) -> list:
 
     def counted(name, forward):  # the forward itself: the recomputation in backward bypasses module hooks
         def run(*args, **kwargs):
-            output = forward(*args, **kwargs)
+            # counted on entry: non-reentrant checkpointing stops a recomputation (early stop: an
+            # exception raised inside the forward) as soon as the tensors backward needs exist, so
+            # a recomputed forward never returns here
             if units[name].training:
                 forwards[name] += 1
+            output = forward(*args, **kwargs)
+            if units[name].training:
                 dtypes[name] = str(output.dtype)
             return output
         return run
