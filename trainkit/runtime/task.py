@@ -12,17 +12,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from .performance import channels_last_input
+
 
 class ClassificationTask:
     """Cross-entropy on `(inputs, labels)` batches; evaluation reports loss and accuracy."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, channels_last: bool = False):
         self.device = device
+        self.channels_last = channels_last  # performance.channels_last: 4-D inputs in NHWC, like the model
         self.loss_fn = nn.CrossEntropyLoss()
 
     def to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[0], batch[1]
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last:
+            x = channels_last_input(x)
+        return x, y.to(self.device, non_blocking=True)
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """[loss sum, correct, count] in float64, so sums over batches and ranks stay exact."""
