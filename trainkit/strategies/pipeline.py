@@ -360,8 +360,16 @@ class PipelineStrategy(Strategy):
         if self.schedule is None:
             raise RuntimeError("pipeline evaluation runs after the first training step (it reuses its schedule)")
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        # the schedule's loss_fn runs on the last stage whenever it is set: a placeholder target
+        # (the loss is discarded; the loop computes the evaluation sums from the logits)
+        n, full = x.shape[0], self.recipe.data.batch_size
+        if n < full:  # a short last batch: the stages exchange micro-batches of the training shape, so pad
+            x = torch.cat([x, x.new_zeros((full - n,) + tuple(x.shape[1:]))])
+        kwargs = {"target": torch.zeros(x.shape[0], dtype=torch.long, device=self.device)} if last else {}
         with precision.autocast():
-            out = self.schedule.eval(*((x,) if first else ()))
+            out = self.schedule.eval(*((x,) if first else ()), **kwargs)
+        if last:
+            out = out[:n]
         if self.world_size == 1:
             return out
         shape = torch.tensor(list(out.shape) if last else [0, 0], device=self.device, dtype=torch.long)
@@ -440,6 +448,13 @@ class PipelineStrategy(Strategy):
         except Exception:  # the model check reports it
             return
         if not is_sequential(model):
+            modal = sorted({type(m).__name__ for m in model.modules()
+                            if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout))})
+            if recipe.trainer.eval_every and modal:
+                yield ("trainer", "eval_every"), (
+                    f"evaluation of a traced pipeline ({recipe.model.name}) is not supported: the traced stages keep "
+                    f"the training behaviour of {', '.join(modal)} (model.eval() does not reach them); set "
+                    f"trainer.eval_every: null"), "error"
             for i, message in traced_split_problems(model, o.split_points):
                 yield ("strategy", "split_points") + ((i,) if i >= 0 else ()), message, "error"
             ws = recipe.world_size
