@@ -15,6 +15,10 @@
   many times its forward ran in training (activation checkpointing reruns it in backward), the
   dtype of its output, its parameters' device and its offload policy, as lines of
   DIR/fsdp-rank<R>.jsonl.
+- TRAINKIT_FAULT_PROBE_PERF=DIR: the performance options in effect, per optimizer step, as lines of
+  DIR/perf-rank<R>.jsonl: forwards per module of the classes in TRAINKIT_PROBE_BLOCKS (counted on
+  entry, so recomputations in backward count too), BatchNorm / SyncBatchNorm layers, memory format of
+  the 4-D parameters and of the first 4-D module input, and torch._dynamo's compile counters.
 - TRAINKIT_FAULT_DIVERGE="rank=1,step=6,what=param|buffer": after that optimizer step (after its
   checkpoint) that rank alone adds 1e-3 to its first parameter's local tensor (param), or gets a
   buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
@@ -53,7 +57,7 @@ def install(*, model, rank: int) -> list:
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
     return (hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
             + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
-            + install_sample_recorder(model=model, rank=rank))
+            + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank))
 
 
 def install_fsdp_probe(*, model, rank: int) -> list:
@@ -70,9 +74,13 @@ def install_fsdp_probe(*, model, rank: int) -> list:
 
     def counted(name, forward):  # the forward itself: the recomputation in backward bypasses module hooks
         def run(*args, **kwargs):
-            output = forward(*args, **kwargs)
+            # counted on entry: non-reentrant checkpointing stops a recomputation (early stop: an
+            # exception raised inside the forward) as soon as the tensors backward needs exist, so
+            # a recomputed forward never returns here
             if units[name].training:
                 forwards[name] += 1
+            output = forward(*args, **kwargs)
+            if units[name].training:
                 dtypes[name] = str(output.dtype)
             return output
         return run
@@ -190,3 +198,53 @@ def install_sample_recorder(*, model, rank: int) -> list:
 
     model.register_forward_pre_hook(record)
     return []
+
+
+def install_perf_probe(*, model, rank: int) -> list:
+    folder = os.environ.get("TRAINKIT_FAULT_PROBE_PERF")
+    if not folder:
+        return []
+    import json
+
+    import torch
+
+    classes = set(filter(None, os.environ.get("TRAINKIT_PROBE_BLOCKS", "").split(",")))
+    blocks = {name: m for name, m in model.named_modules() if type(m).__name__ in classes}
+    forwards = {name: 0 for name in blocks}
+    seen: dict = {}
+
+    def counted(name, forward):  # on entry: an early-stopped recomputation never returns
+        def run(*args, **kwargs):
+            if blocks[name].training:
+                forwards[name] += 1
+            return forward(*args, **kwargs)
+        return run
+
+    for name, m in blocks.items():
+        m.forward = counted(name, m.forward)
+
+    def first_input(module, args):
+        x = args[0] if args else None
+        if "input_channels_last" not in seen and isinstance(x, torch.Tensor) and x.dim() == 4:
+            seen["input_channels_last"] = x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    if convs:
+        convs[0].register_forward_pre_hook(first_input)
+    path = os.path.join(folder, f"perf-rank{rank}.jsonl")
+
+    def record(step: int) -> None:
+        from torch._dynamo.utils import counters
+
+        weights = [p for p in model.parameters() if p.dim() == 4]
+        facts = {"step": step, "forwards": dict(forwards),
+                 "batchnorm": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                  and not isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()),
+                 "sync_batchnorm": sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()),
+                 "weights_channels_last": [p.is_contiguous(memory_format=torch.channels_last) for p in weights],
+                 "input_channels_last": seen.get("input_channels_last"),
+                 "dynamo": {k: dict(v) for k, v in counters.items() if k in ("stats", "inductor", "graph_break")}}
+        with open(path, "a") as fh:
+            fh.write(json.dumps(facts, default=str) + "\n")
+        forwards.update({name: 0 for name in blocks})
+
+    return [record]

@@ -40,6 +40,7 @@ def env_for(tmp: Path, **extra: str) -> dict:
     env.pop("TRAINKIT_FAULT_COUNT_COLLECTIVES", None)
     env.pop("TRAINKIT_FAULT_DIVERGE", None)
     env.pop("TRAINKIT_FAULT_PROBE_FSDP", None)
+    env.pop("TRAINKIT_FAULT_PROBE_PERF", None)
     env.pop("TRAINKIT_TEST_HOOKS", None)
     if any(key.startswith("TRAINKIT_FAULT_") for key in extra):  # only then: the workers' fault injection
         env["TRAINKIT_TEST_HOOKS"] = "fault_injection"

@@ -89,3 +89,73 @@ def test_pipeline_recipe_runs_end_to_end(tmp_path):
     assert result.returncode == 0, result.output[-6000:]
     s = summary(tmp_path / "runs" / "pipeline-mlp")
     assert s["steps"] == 4 and s["world_size"] == 2 and s["global_batch"] == 16
+
+
+# --------------------------------------------------------------------------- any model: the tracer
+RESNET = {"name": "torchvision.resnet18", "args": {"num_classes": 4}}
+IMAGES = {"name": "synthetic", "batch_size": 8, "num_samples": 256, "shape": [3, 32, 32], "num_classes": 4}
+
+
+def resnet_recipe(tmp: Path, name: str, strategy: dict, **sections) -> Path:
+    from run_helpers import mlp_recipe
+
+    base = dict(model=RESNET, data=IMAGES, strategy=strategy, optimizer={"name": "sgd", "lr": 0.005},
+                trainer={"max_steps": 4, "log_every": 1, "checkpoint": {"every": 100}},
+                launch={"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120})
+    for key, value in sections.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and key != "strategy" else value
+    return mlp_recipe(tmp, name, **base)
+
+
+def test_resnet18_pipeline_split_at_layer3_matches_one_process_accumulating_the_micro_batches(tmp_path):
+    """torchvision's ResNet-18 is not a Sequential (its forward flattens between avgpool and fc):
+    the tracer cuts it before layer3. Reference: one process with batch 2 accumulating 4
+    micro-steps -- the same 8 samples per step in the same micro-batches of 2, so BatchNorm sees
+    the same micro-batches as in the pipeline. Tolerance RTOL (1e-5): the same operations on the
+    same micro-batches, summed in another order. The checkpoint keeps the plain model's parameter
+    names."""
+    split = {"name": "pipeline", "schedule": "gpipe", "microbatches": 4, "split_points": ["layer3"]}
+    path = resnet_recipe(tmp_path, "pipe", split)
+    pipe = run(tmp_path, path)
+    ref = resnet_recipe(tmp_path, "ref", {"name": "ddp"}, data={"batch_size": 2},
+                        trainer={"grad_accum_steps": 4}, launch={"nproc_per_node": 1})
+    ref_dir = run(tmp_path, ref)
+    assert losses(pipe) == pytest.approx(losses(ref_dir), rel=RTOL)
+    ckpt = pipe / "checkpoints" / "step-00000004"
+    stage1 = torch.load(ckpt / "pipeline-stage-001.pt", weights_only=False)["model"]
+    assert "layer3.0.conv1.weight" in stage1 and "fc.weight" in stage1
+
+
+def eval_rows(run_dir: Path) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k.startswith("eval")} for r in rows if "eval_loss" in r]
+
+
+def test_resnet18_pipeline_bad_split_points_are_refused_with_a_suggestion(tmp_path):
+    path = resnet_recipe(tmp_path, "bad", {"name": "pipeline", "microbatches": 4, "split_points": ["layer33"]})
+    result = trainkit(tmp_path, "validate", "--deep", str(path))
+    assert result.returncode == 2 and "did you mean" in result.output.lower() and "layer3" in result.output, \
+        result.output
+    path = resnet_recipe(tmp_path, "order", {"name": "pipeline", "microbatches": 4, "split_points": ["layer3", "layer1"]},
+                         launch={"nproc_per_node": 3})
+    result = trainkit(tmp_path, "validate", "--deep", str(path))
+    assert result.returncode == 2 and "forward order" in result.output, result.output
+    path = resnet_recipe(tmp_path, "evals", {"name": "pipeline", "microbatches": 4, "split_points": ["layer3"]},
+                         trainer={"eval_every": 2})
+    result = trainkit(tmp_path, "validate", "--deep", str(path))
+    assert result.returncode == 2 and "BatchNorm2d" in result.output, result.output
+
+
+def test_pipeline_evaluation_matches_the_one_process_evaluation(tmp_path):
+    """A Sequential MLP pipeline evaluates through the schedule's forward-only pass; its eval loss
+    and accuracy equal one process's (the same held-out samples, RTOL: summation order only)."""
+    evals = {"max_steps": 4, "eval_every": 2, "eval_steps": 2, "checkpoint": {"every": 100}}
+    pipe = run(tmp_path, recipe(tmp_path, "pipe-eval", {"name": "pipeline", "microbatches": 4, "split_points": ["4"]},
+                                data={"batch_size": 16}, trainer=evals))
+    one = run(tmp_path, recipe(tmp_path, "one-eval", {"name": "ddp"}, data={"batch_size": 16},
+                               launch={"nproc_per_node": 1}, trainer=evals))
+    ours, ref = eval_rows(pipe), eval_rows(one)
+    assert len(ours) == 2 and [r["eval_accuracy"] for r in ours] == [r["eval_accuracy"] for r in ref]
+    assert [r["eval_loss"] for r in ours] == pytest.approx([r["eval_loss"] for r in ref], rel=RTOL)

@@ -291,6 +291,36 @@ trainkit completion fish > ~/.config/fish/completions/trainkit.fish""")
     p.add_argument("shell", choices=["bash", "zsh", "fish"])
     p.set_defaults(func=cmd_completion)
 
+    p = _command(sub, "bench", "benchmarks: scaling over world sizes",
+                 "Benchmarks. scaling runs a recipe (or a hand-written torchrun script) at each world size with the "
+                 "batch per process fixed (weak scaling) and writes a table and a speedup plot.",
+                 """
+trainkit bench scaling recipes/resnet152-ddp.yaml --nproc 1,2,4,8""")
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
+    b = _command(bench_sub, "scaling", "throughput, speedup and efficiency at several world sizes, with a plot",
+                 "Run RECIPE with launch.nproc_per_node set to each of --nproc in turn (one node; weak scaling: "
+                 "data.batch_size per process fixed) and measure the median step time of the steps after "
+                 "--warmup. Writes scaling.json, scaling.md (samples/s, speedup, efficiency) and scaling.png "
+                 "(measured speedup vs ideal, and --reference) to --out (default RUN_DIR/NAME-scaling) and logs "
+                 "them to MLflow. With --script, runs that torchrun script instead: it gets --steps, --log-every 1, "
+                 "--batch and --out FILE and writes {\"times\": {step: unix time}} to FILE (see bench/plain_ddp.py).",
+                 """
+trainkit bench scaling recipes/ddp-mlp.yaml --nproc 1,2 --steps 30
+trainkit bench scaling recipes/resnet152-ddp.yaml --nproc 1,2,4,8 --reference 1:1,2:1.8,4:3.5,8:6.2,16:11.0
+trainkit bench scaling --script bench/plain_ddp.py --nproc 1,2 --batch 32""")
+    b.add_argument("recipe", nargs="?", metavar="RECIPE", help="recipe file (omit with --script)")
+    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    b.add_argument("--nproc", default="1,2", help="comma-separated world sizes (default 1,2)")
+    b.add_argument("--steps", type=_positive, default=30, help="optimizer steps per world size (default 30)")
+    b.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (default 5)")
+    b.add_argument("--script", help="a hand-written torchrun script to measure instead of a recipe")
+    b.add_argument("--batch", type=_positive, help="--script: batch per process (default 32)")
+    b.add_argument("--reference", help="reference speedups to plot, N:SPEEDUP,... (e.g. 1:1,2:1.8,4:3.5)")
+    b.add_argument("--reference-label", default="reference", help="legend label of --reference")
+    b.add_argument("--out", help="output folder")
+    b.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    b.set_defaults(func=cmd_bench_scaling)
+
     p = _command(sub, "data", "data helpers",
                  "Data helpers. make-imagefolder writes a small synthetic ImageFolder of real image files, to try a "
                  "recipe before the real data is there.",
@@ -501,6 +531,38 @@ def cmd_slurm(args: argparse.Namespace) -> int:
         print(f"trainkit: {err}; nothing written", file=sys.stderr)
         return EXIT_INVALID
     _write_or_print(script, args.output)
+    return EXIT_OK
+
+
+def cmd_bench_scaling(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .launch.scaling import ScalingError, bench_scaling, parse_reference
+    from .recipe import RecipeError
+
+    if bool(args.recipe) == bool(args.script):
+        print("trainkit: bench scaling: give a RECIPE or --script PATH (one of them)", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        nprocs = [int(n) for n in args.nproc.split(",")]
+        reference = parse_reference(args.reference)
+    except ValueError as exc:
+        print(f"trainkit: bench scaling: --nproc is N,N,... and --reference N:SPEEDUP,... ({exc})", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        folder, points = bench_scaling(
+            recipe=Path(args.recipe) if args.recipe else None, script=Path(args.script) if args.script else None,
+            nprocs=nprocs, steps=args.steps, warmup=args.warmup, batch=args.batch,
+            out=Path(args.out) if args.out else None, overrides=list(args.overrides), reference=reference,
+            reference_label=args.reference_label, mlflow_log=not args.no_mlflow)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_INVALID
+    except ScalingError as exc:
+        print(f"trainkit: bench scaling: {exc}", file=sys.stderr)
+        return 1
+    print((folder / "scaling.md").read_text(), end="")
+    print(f"trainkit: bench scaling: {folder / 'scaling.md'}, {folder / 'scaling.png'}")
     return EXIT_OK
 
 

@@ -152,7 +152,9 @@ class FSDPOptions(StrategyOptions):
     reshard_after_forward: bool = Field(default=True, description="free gathered parameters after forward")
     cpu_offload: bool = Field(default=False, description="keep sharded parameters on the CPU")
     wrap: list[str] = Field(default_factory=list, description="module class names sharded as units (empty: automatic)")
-    activation_checkpointing: bool = Field(default=False, description="recompute wrapped blocks in backward")
+    activation_checkpointing: bool = Field(default=False, description="deprecated: use performance."
+                                                                      "activation_checkpointing: full (recomputes "
+                                                                      "the wrapped units)")
 
 
 class PipelineOptions(StrategyOptions):
@@ -347,11 +349,56 @@ class LaunchOptions(Block):
         return value
 
 
+class CompileOptions(Block):
+    """torch.compile settings (`performance.compile: true` is all defaults)."""
+
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        default="default", description="torch.compile mode")
+    fullgraph: bool = Field(default=False, description="fail on a graph break instead of falling back to eager")
+    dynamic: Optional[bool] = Field(default=None, description="dynamic shapes: null lets torch decide")
+
+
+class ActivationCheckpointingOptions(Block):
+    """Recompute blocks' forwards in backward instead of keeping their activations."""
+
+    mode: Literal["none", "full", "selective"] = Field(
+        default="none", description="none | full (every block) | selective (every n-th block)")
+    blocks: list[str] = Field(default_factory=list, description="block class names to checkpoint (empty: the "
+                                                                "repeated children of Sequential/ModuleList containers)")
+    every_n_blocks: PositiveInt = Field(default=1, description="selective: checkpoint blocks 0, n, 2n, ... (in "
+                                                               "forward order)")
+
+
 class PerformanceOptions(Block):
-    """Speed settings that change what the device computes (and so which peak MFU is measured against)."""
+    """Speed settings. All are resume-safe (a checkpoint resumes with them changed); tf32 changes what the
+    device computes (and so which peak MFU is measured against)."""
 
     tf32: bool = Field(default=False, description="fp32 matmuls and convolutions on TF32 tensor cores (Ampere and "
                                                   "later): faster, ~10 mantissa bits; false keeps true fp32")
+    compile: Union[bool, CompileOptions] = Field(
+        default=False, description="torch.compile: false | true | {mode, fullgraph, dynamic}; applied per "
+                                   "strategy (before DDP wraps, per block before FSDP, per pipeline stage)")
+    channels_last: bool = Field(default=False, description="NHWC memory format for the model and 4-D inputs "
+                                                           "(faster convolutions on tensor cores and CPUs)")
+    cudnn_benchmark: bool = Field(default=False, description="let cuDNN time convolution algorithms at the first "
+                                                             "step (fixed input shapes only)")
+    sync_batchnorm: bool = Field(default=False, description="ddp: BatchNorm statistics over the global batch "
+                                                            "(one all-reduce per BatchNorm layer per step)")
+    activation_checkpointing: Union[Literal["none", "full", "selective"], ActivationCheckpointingOptions] = Field(
+        default="none", description="none | full | selective, or {mode, blocks, every_n_blocks}: recompute "
+                                    "blocks in backward (less memory, ~1 extra forward)")
+
+    @property
+    def compile_options(self) -> Optional[CompileOptions]:
+        """The compile settings, or None when compile is off."""
+        if self.compile is True:
+            return CompileOptions()
+        return self.compile or None
+
+    @property
+    def checkpointing(self) -> ActivationCheckpointingOptions:
+        ac = self.activation_checkpointing
+        return ac if isinstance(ac, ActivationCheckpointingOptions) else ActivationCheckpointingOptions(mode=ac)
 
 
 class TrackingOptions(Block):

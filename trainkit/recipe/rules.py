@@ -198,3 +198,31 @@ def pipeline_needs_a_sequential_model(r: Recipe) -> Iterator[Finding]:
         yield ("strategy", "name"), ("the pipeline strategy splits an nn.Sequential of blocks at module names; a "
                                      "Hugging Face model is not one, so it cannot be pipelined here: use ddp, fsdp or "
                                      "deepspeed, or the built-in model 'transformer' (splits at layers.N)")
+
+
+@rule
+def performance_options_fit_the_strategy(r: Recipe) -> Iterator[Finding]:
+    p, s = r.performance, r.strategy
+    if p.sync_batchnorm and s.name != "ddp":
+        yield ("performance", "sync_batchnorm"), (
+            f"sync_batchnorm is for strategy ddp (got {s.name}): "
+            + ("FSDP2 does not synchronise BatchNorm buffers through SyncBatchNorm's process group; "
+               if s.name == "fsdp" else "")
+            + "set it to false, or use strategy ddp")
+    ac = p.checkpointing
+    fsdp_flag = s.name == "fsdp" and getattr(s, "activation_checkpointing", False)
+    if p.compile_options is not None and (ac.mode != "none" or fsdp_flag):
+        yield ("performance", "compile"), (
+            "compile together with activation checkpointing is not supported: trainkit checkpoints blocks with "
+            "hooks (torch.distributed._composable.checkpoint), which torch.compile cannot trace; use one of them")
+    if fsdp_flag and ac.mode != "none":
+        yield ("strategy", "activation_checkpointing"), (
+            "set either the deprecated strategy.activation_checkpointing or performance.activation_checkpointing, "
+            "not both")
+    if ac.mode == "full" and ac.every_n_blocks != 1:
+        yield ("performance", "activation_checkpointing", "every_n_blocks"), (
+            "every_n_blocks applies to mode selective (full checkpoints every block)")
+    if p.channels_last and r.data.name == "synthetic" and len(r.data.shape) != 3:
+        yield ("performance", "channels_last"), (
+            f"channels_last needs 4-D inputs (batch, channels, height, width); data.shape {list(r.data.shape)} "
+            f"makes {len(r.data.shape) + 1}-D batches: set it to false, or use a [C, H, W] shape")

@@ -217,6 +217,13 @@ def _devices(r) -> Iterator[Finding]:
         yield ("launch", "nproc_per_node"), (
             f"nproc_per_node {r.launch.nproc_per_node} but only {torch.cuda.device_count()} GPU(s) are visible "
             f"(one process per GPU)"), "error"
+    if r.performance.sync_batchnorm and acc.device_type == "cpu" and r.world_size != 1:
+        yield ("performance", "sync_batchnorm"), "torch's SyncBatchNorm runs only on GPUs (DDP refuses it on " \
+            "the CPU); set it to false here", "error"
+    compile_options = r.performance.compile_options
+    if compile_options is not None and compile_options.mode == "reduce-overhead" and acc.device_type == "cpu":
+        yield ("performance", "compile", "mode"), "reduce-overhead uses CUDA graphs, which the CPU does not have; " \
+            "use mode default", "warning"
     if r.precision == "fp16" and acc.device_type == "cpu":
         yield ("precision",), "fp16 on the CPU is slow (no fp16 matrix units); it is meant for testing loss " \
             "scaling: use bf16 or fp32 for real CPU training", "warning"

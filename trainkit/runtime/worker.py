@@ -43,6 +43,7 @@ from .metrics import JsonlSink
 from .model import build_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
+from .performance import prepare_model, set_backend_flags
 from .precision import Precision
 from .progress import Progress
 from .timing import Clock, CommTimer, ForwardMarks
@@ -169,8 +170,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     rank = dist.get_rank()
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = recipe.performance.tf32  # MFU's peak
-    model = build_model(recipe.model)
+    set_backend_flags(recipe.performance)  # tf32 (MFU's peak), cudnn.benchmark
+    model = prepare_model(build_model(recipe.model), recipe.performance)  # SyncBatchNorm, channels_last: before wrapping
     strategy_cls = registry.component(recipe.strategy)
     precision = Precision(recipe.precision, device, recipe.trainer.loss_scale,
                           scaler=not strategy_cls.owns_loss_scaling)  # DeepSpeed scales the loss itself

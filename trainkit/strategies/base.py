@@ -49,6 +49,14 @@ class Strategy:
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
 
+    @property
+    def performance(self):
+        """The recipe's `performance:` block (defaults without a recipe): compile and activation
+        checkpointing are applied by each strategy where its wrapping allows (runtime.performance)."""
+        from ..recipe.blocks import PerformanceOptions
+
+        return self.recipe.performance if self.recipe is not None else PerformanceOptions()
+
     # ---- the shape of the job
     @property
     def rank(self) -> int:

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..recipe.blocks import DDPOptions
 from ..runtime.files import fsync_save
+from ..runtime.performance import apply_activation_checkpointing, compile_module
 from ..runtime.timing import timed_hook
 from .base import Strategy
 
@@ -20,6 +21,9 @@ class DDPStrategy(Strategy):
 
     def setup(self, model: nn.Module, optimizer_factory):
         model = model.to(self.device)
+        perf = self.performance
+        apply_activation_checkpointing(model, perf.checkpointing)  # hooks on the blocks, before any wrapper
+        compile_module(model, perf.compile_options)  # DDP(compiled): torch.compile(DDP(m)) compiles nothing
         ids = [self.device.index] if self.device.type == "cuda" else None
         o = self.options
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=o.bucket_cap_mb, static_graph=o.static_graph,

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..recipe.blocks import DeepSpeedOptions
 from ..runtime.files import fsync_save
+from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
@@ -82,9 +83,13 @@ class DeepSpeedStrategy(Strategy):
     def setup(self, model: nn.Module, optimizer_factory):
         deepspeed = _import_deepspeed()
         self.config = ds_config_for(self.recipe)
+        apply_activation_checkpointing(model, self.performance.checkpointing)  # hooks: ZeRO-3 gathers on recompute
         optimizer = optimizer_factory(model.parameters())
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                dist_init_required=False)
+        compile_options = self.performance.compile_options
+        if compile_options is not None:  # DeepSpeed's documented way: the engine compiles its module
+            engine.compile(compile_kwargs=compile_kwargs(compile_options))
         self.engine = engine
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.recipe.precision)
         # The scheduler steps the torch optimizer's param_groups, which the ZeRO optimizer shares.

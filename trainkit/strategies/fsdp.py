@@ -12,46 +12,25 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from pathlib import Path
-from typing import ContextManager, Iterator
+from typing import ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
 
 from ..recipe.blocks import FSDPOptions
+from ..recipe.blocks import ActivationCheckpointingOptions, PerformanceOptions
 from ..runtime.model import build_model
+from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
 from .base import Strategy, hash_tensor
 
-CONTAINERS = (nn.Sequential, nn.ModuleList)
+def blocks_to_wrap(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """The modules sharded as units: `runtime.performance.repeated_blocks` (the classes named, or the
+    repeated children of Sequential/ModuleList containers)."""
+    return repeated_blocks(model, class_names)
 
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
-
-
-def blocks_to_wrap(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """The modules sharded as units.
-
-    With class names (e.g. ``["Bottleneck"]``): every module of those classes, outermost only.
-    Without (automatic): the children with parameters of every Sequential/ModuleList container,
-    i.e. the repeated blocks of a network (ResNet's Bottlenecks, an MLP's layers).
-    """
-    chosen: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if class_names:
-                hit = type(child).__name__ in class_names
-            else:
-                hit = isinstance(module, CONTAINERS) and _has_params(child)
-            if hit:
-                chosen.append(child)
-            else:
-                visit(child)
-
-    if class_names and type(model).__name__ in class_names:
-        return []  # the root is the only unit
-    visit(model)
-    return chosen
 
 
 def unknown_wrap_classes(model: nn.Module, class_names: list[str]) -> list[str]:
@@ -78,18 +57,24 @@ def mixed_precision_policy(precision_name: str, *, root: bool = False):
                                 output_dtype=torch.float32 if root else None)
 
 
-def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str) -> nn.Module:
-    """Activation checkpointing (optional) and fully_shard on each block, then on the root."""
-    from torch.distributed._composable import checkpoint
+def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str,
+               performance: Optional[PerformanceOptions] = None) -> nn.Module:
+    """Activation checkpointing and torch.compile per block (optional), fully_shard on each block,
+    then on the root. Checkpointing and compile go on before a block is sharded, so FSDP's
+    all-gather hooks stay outside the compiled region of the block's own computation."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    performance = performance or PerformanceOptions()
+    ac = performance.checkpointing
+    if options.activation_checkpointing and ac.mode == "none":  # the deprecated strategy flag: every unit
+        ac = ActivationCheckpointingOptions(mode="full", blocks=list(options.wrap))
+    checkpoint_blocks(checkpointed_blocks(model, ac))  # composable: recompute in backward, names unchanged
     kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward}
     if options.cpu_offload:
         # pinned host memory only helps copies to a GPU: the mesh's device, not "is CUDA visible"
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for block in blocks_to_wrap(model, options.wrap):
-        if options.activation_checkpointing:
-            checkpoint(block)  # composable: recompute in backward, parameter names unchanged
+        compile_module(block, performance.compile_options)
         fully_shard(block, mp_policy=mixed_precision_policy(precision_name), **kwargs)
     fully_shard(model, mp_policy=mixed_precision_policy(precision_name, root=True), **kwargs)
     return model
@@ -104,7 +89,10 @@ class FSDPStrategy(Strategy):
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp_shard",))
         if not self.options.cpu_offload:
             model = model.to(self.device)
-        apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32")
+        if self.options.activation_checkpointing and self.rank == 0:
+            print("trainkit: strategy.activation_checkpointing is deprecated: use performance.activation_checkpointing: "
+                  "full", flush=True)
+        apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32", self.performance)
         return model, optimizer_factory(model.parameters())
 
     def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
@@ -204,6 +192,10 @@ class FSDPStrategy(Strategy):
     # ---- class-level hooks
     @classmethod
     def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
+        if recipe.strategy.activation_checkpointing:
+            yield ("strategy", "activation_checkpointing"), (
+                "deprecated: use performance.activation_checkpointing: full (the same units are recomputed); "
+                "this flag still works for now"), "warning"
         names = recipe.strategy.wrap
         if not names:
             return

@@ -1,9 +1,17 @@
 """Pipeline parallel with `torch.distributed.pipelining`: the model cut into stages, stages placed
 round-robin on the ranks, micro-batches driven by a GPipe, 1F1B or interleaved-1F1B schedule.
 
-The model must be an `nn.Sequential` (nested Sequentials are flattened): its forward is then the
-composition of its blocks, so a stage is just a run of consecutive blocks and keeps the original
-parameter names -- checkpoints and `trainkit export` use the unpipelined model's keys.
+Two ways to cut a model:
+
+- an `nn.Sequential` (nested Sequentials are flattened): its forward is the composition of its
+  blocks, so a stage is a run of consecutive blocks, cut at named blocks or balanced by parameters;
+- any other model (torchvision's ResNets, ...) is traced with `torch.distributed.pipelining.pipeline`
+  and cut before each named split point (`SplitPoint.BEGINNING`). The tracer records the functional
+  calls between children (ResNet's `torch.flatten` between avgpool and fc) that a chain of
+  children would lose. Named split points are required there.
+
+Either way a stage keeps the original parameter names -- checkpoints and `trainkit export` use the
+unpipelined model's keys.
 
 Every rank reads the same batch (data-parallel size 1); the first stage consumes the inputs, the
 last stage the labels, and the loss it computes is broadcast so every rank reports it.
@@ -22,6 +30,7 @@ from ..recipe.blocks import PipelineOptions
 from ..recipe.problems import did_you_mean
 from ..runtime.files import fsync_save
 from ..runtime.model import build_model
+from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module
 from .base import Strategy, hash_tensor
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -32,6 +41,43 @@ class SplitError(ValueError):
 
 
 # --------------------------------------------------------------------------- splitting (pure functions)
+def is_sequential(model: nn.Module) -> bool:
+    return isinstance(model, nn.Sequential)
+
+
+def module_names(model: nn.Module) -> list[str]:
+    """Qualified names of the submodules of a traced model, in registration order (the order a
+    split point list must follow)."""
+    return [n for n, _ in model.named_modules() if n]
+
+
+def traced_split_problems(model: nn.Module, split_points: list[str]) -> list[tuple[int, str]]:
+    """(index or -1, message) for split points of a non-Sequential model that do not exist or are
+    out of order."""
+    names = module_names(model)
+    out = []
+    if not split_points:
+        return [(-1, f"the pipeline strategy cuts a non-Sequential model ({type(model).__name__}) only at named "
+                     f"split points: set strategy.split_points, e.g. [{_middle_child(model)}]")]
+    order = []
+    for i, point in enumerate(split_points):
+        if point not in names:
+            top = [n for n, _ in model.named_children()]
+            out.append((i, f"split point '{point}' is not a module of the model{did_you_mean(point, names)} "
+                           f"(top-level modules in order: {', '.join(top)})"))
+        else:
+            order.append(names.index(point))
+    if not out and (order != sorted(set(order)) or order[0] == 0):
+        out.append((-1, f"split points {split_points} must name different modules in forward order, after the "
+                        f"first one"))
+    return out
+
+
+def _middle_child(model: nn.Module) -> str:
+    children = [n for n, _ in model.named_children()]
+    return children[len(children) // 2] if children else "layer3"
+
+
 def flatten_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of the leaves of nested Sequentials, in forward order."""
     if not isinstance(model, nn.Sequential):
@@ -153,6 +199,41 @@ class StageModule(nn.Module):
             m.load_state_dict({k[len(n) + 1:]: v for k, v in state.items() if k.startswith(n + ".")})
 
 
+class TracedStage(nn.Module):
+    """A stage cut by the tracer (a GraphModule whose submodules keep the original qualified
+    names): the same checkpoint interface as `StageModule`."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.names = sorted({k.split(".")[0] for k in module.state_dict()})
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def model_state_dict(self) -> dict:
+        return dict(self.module.state_dict())
+
+    def load_model_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)
+
+
+def example_inputs(recipe, microbatches: int) -> torch.Tensor:
+    """A zero micro-batch of the recipe's input shape: what the tracer runs the model on."""
+    d = recipe.data
+    shape = {"synthetic": lambda: list(d.shape), "cifar10": lambda: [3, 32, 32],
+             "imagefolder": lambda: [3, d.image_size, d.image_size]}.get(d.name)
+    if shape is None:
+        raise SplitError(f"the pipeline tracer needs the input shape of data '{d.name}'")
+    return torch.zeros([max(1, d.batch_size // microbatches)] + shape())
+
+
+def checkpointed_names(model: nn.Module, ac) -> list[str]:
+    """Qualified names of the blocks performance.activation_checkpointing selects in the whole model."""
+    chosen = {id(m) for m in checkpointed_blocks(model, ac)}
+    return [n for n, m in model.named_modules() if id(m) in chosen]
+
+
 # --------------------------------------------------------------------------- the strategy
 class PipelineStrategy(Strategy):
     reshards_on_load = False  # stage files follow the stage count, which is the world size
@@ -170,12 +251,37 @@ class PipelineStrategy(Strategy):
     def setup(self, model: nn.Module, optimizer_factory):
         from torch.distributed.pipelining import PipelineStage
 
-        plan = plan_stages(model, self.options, self.world_size)
-        self.num_stages = len(plan)
-        self.stage_ids = stages_of_rank(self.rank, self.num_stages, self.world_size)
-        self.modules = [StageModule(plan[i]).to(self.device) for i in self.stage_ids]
-        self.stages = [PipelineStage(m, i, self.num_stages, self.device) for m, i in zip(self.modules, self.stage_ids)]
+        perf = self.performance
+        ac_names = checkpointed_names(model, perf.checkpointing)
+        if is_sequential(model):
+            plan = plan_stages(model, self.options, self.world_size)
+            self.num_stages = len(plan)
+            self.stage_ids = stages_of_rank(self.rank, self.num_stages, self.world_size)
+            self.modules = [StageModule(plan[i]).to(self.device) for i in self.stage_ids]
+            build = lambda m, i: PipelineStage(m, i, self.num_stages, self.device)  # noqa: E731
+            lookup = lambda m: dict(zip(m.names, m.blocks))  # noqa: E731
+        else:
+            from torch.distributed.pipelining import SplitPoint, pipeline
+
+            pipe = pipeline(model, mb_args=(example_inputs(self.recipe, self.options.microbatches),),
+                            split_spec={p: SplitPoint.BEGINNING for p in self.options.split_points})
+            self.num_stages = pipe.num_stages
+            self.stage_ids = stages_of_rank(self.rank, self.num_stages, self.world_size)
+            self.modules = [TracedStage(pipe.get_stage_module(i)) for i in self.stage_ids]
+            build = lambda m, i: pipe.build_stage(i, self.device)  # noqa: E731
+            lookup = lambda m: dict(m.module.named_modules())  # noqa: E731
+        for m in self.modules:
+            if ac_names:
+                named = lookup(m)
+                if is_sequential(model):  # blocks of a StageModule keep their own submodules
+                    named = {f"{n}.{k}" if k else n: sub for n, b in named.items() for k, sub in b.named_modules()}
+                checkpoint_blocks([named[n] for n in ac_names if n in named])
+            compile_module(m.module if isinstance(m, TracedStage) else m, perf.compile_options)
+        self.stages = [build(m, i) for m, i in zip(self.modules, self.stage_ids)]
+        for m in self.modules:
+            m.to(self.device)
         self.schedule = None
+        self.eval_schedule = None
         container = nn.ModuleList(self.modules)
         groups = [{"params": list(m.parameters())} for m in self.modules]
         self.groups_of_stage = {}  # stage index -> optimizer param group index (stages without parameters have none)
@@ -192,6 +298,8 @@ class PipelineStrategy(Strategy):
     def flops_of_rank(self, model: nn.Module, x: torch.Tensor) -> float:
         """FLOPs of one forward + backward of this rank's stages only (for MFU: a rank is credited
         with the work it does, not the whole model's). `model` is the unsplit model, e.g. on meta."""
+        if not is_sequential(model):
+            return None  # traced stages: counted as the whole model (not split on the meta device)
         plan = plan_stages(model, self.options, self.world_size)
         per_stage = stage_flops([StageModule(blocks) for blocks in plan], x)
         return sum(per_stage[i] for i in stages_of_rank(self.rank, len(plan), self.world_size))
@@ -247,7 +355,33 @@ class PipelineStrategy(Strategy):
         return total
 
     def eval_forward(self, model, x, precision):
-        raise NotImplementedError("evaluation is not supported by the pipeline strategy yet")
+        """Forward-only pass of the schedule (`schedule.eval`); the last stage's logits are broadcast
+        so every rank computes the same evaluation sums (see `all_reduce_sum`)."""
+        if self.schedule is None:
+            raise RuntimeError("pipeline evaluation runs after the first training step (it reuses its schedule)")
+        first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        # the schedule's loss_fn runs on the last stage whenever it is set: a placeholder target
+        # (the loss is discarded; the loop computes the evaluation sums from the logits)
+        n, full = x.shape[0], self.recipe.data.batch_size
+        if n < full:  # a short last batch: the stages exchange micro-batches of the training shape, so pad
+            x = torch.cat([x, x.new_zeros((full - n,) + tuple(x.shape[1:]))])
+        kwargs = {"target": torch.zeros(x.shape[0], dtype=torch.long, device=self.device)} if last else {}
+        with precision.autocast():
+            out = self.schedule.eval(*((x,) if first else ()), **kwargs)
+        if last:
+            out = out[:n]
+        if self.world_size == 1:
+            return out
+        shape = torch.tensor(list(out.shape) if last else [0, 0], device=self.device, dtype=torch.long)
+        dist.broadcast(shape, src=self.last_stage_rank)
+        logits = out.detach().float().contiguous() if last else torch.empty(shape.tolist(), device=self.device)
+        dist.broadcast(logits, src=self.last_stage_rank)
+        return logits
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Every rank reads the same batches (data-parallel size 1) and holds the same evaluation
+        logits: the job's sum is any one rank's value, not the sum over ranks."""
+        return value.detach().clone()
 
     def replica_digests(self, model: nn.Module) -> list[str]:
         """Each rank's digest of the stages it owns (stage index, names and bytes). Every stage has
@@ -306,9 +440,6 @@ class PipelineStrategy(Strategy):
         """Split points must exist (the model is built on the meta device), stages must fit the world
         size and the schedule, and what the strategy cannot do yet is said before launch."""
         o = recipe.strategy
-        if recipe.trainer.eval_every:
-            yield ("trainer", "eval_every"), "evaluation is not supported by the pipeline strategy yet; " \
-                "set trainer.eval_every: null", "error"
         if recipe.precision == "fp16":
             yield ("precision",), "the pipeline strategy has no fp16 loss scaling; use bf16 or fp32", "error"
         try:
@@ -316,11 +447,22 @@ class PipelineStrategy(Strategy):
                 model = build_model(recipe.model.model_copy(update={"weights": None}))
         except Exception:  # the model check reports it
             return
-        try:
-            blocks = flatten_blocks(model)
-        except SplitError as exc:
-            yield ("model", "name"), str(exc), "error"
+        if not is_sequential(model):
+            modal = sorted({type(m).__name__ for m in model.modules()
+                            if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout))})
+            if recipe.trainer.eval_every and modal:
+                yield ("trainer", "eval_every"), (
+                    f"evaluation of a traced pipeline ({recipe.model.name}) is not supported: the traced stages keep "
+                    f"the training behaviour of {', '.join(modal)} (model.eval() does not reach them); set "
+                    f"trainer.eval_every: null"), "error"
+            for i, message in traced_split_problems(model, o.split_points):
+                yield ("strategy", "split_points") + ((i,) if i >= 0 else ()), message, "error"
+            ws = recipe.world_size
+            if ws is not None and o.split_points and len(o.split_points) + 1 > ws \
+                    and o.schedule != "interleaved_1f1b":
+                yield ("strategy", "split_points"), f"{len(o.split_points) + 1} stages but only {ws} ranks", "error"
             return
+        blocks = flatten_blocks(model)
         names = [n for n, _ in blocks]
         if o.split_points:
             for i, point in enumerate(o.split_points):

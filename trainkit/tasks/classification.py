@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..runtime.model import build_model
+from ..runtime.performance import channels_last_input
 
 
 class ClassificationTask:
@@ -19,11 +20,16 @@ class ClassificationTask:
 
     def __init__(self, options: Any = None, *, device: torch.device, recipe: Any = None):
         self.options, self.device, self.recipe = options, device, recipe
+        # performance.channels_last: 4-D inputs in NHWC, like the model's weights
+        self.channels_last = bool(recipe is not None and recipe.performance.channels_last)
         self.loss_fn = nn.CrossEntropyLoss()
 
     def to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[0], batch[1]
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last:
+            x = channels_last_input(x)
+        return x, y.to(self.device, non_blocking=True)
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """[loss sum, correct, count] in float64, so sums over batches and ranks stay exact."""

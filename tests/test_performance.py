@@ -1,0 +1,172 @@
+"""The `performance:` block: each option is shown in effect (not only survived) and training still
+follows the plain run; bad combinations are refused before launch with the recipe's line.
+
+Runs are tiny (ResNet-18 on 32x32 synthetic images, a few steps) so they fit 2 shared CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from run_helpers import losses, mlp_recipe, trainkit
+
+RESNET = {"name": "torchvision.resnet18", "args": {"num_classes": 4}}
+IMAGES = {"name": "synthetic", "batch_size": 8, "num_samples": 256, "shape": [3, 32, 32], "num_classes": 4}
+
+
+def resnet_recipe(tmp: Path, name: str, **sections) -> Path:
+    base = dict(model=RESNET, data=IMAGES, optimizer={"name": "sgd", "lr": 0.005, "momentum": 0.9},
+                trainer={"max_steps": 4, "log_every": 1, "checkpoint": {"every": 100}},
+                launch={"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120})
+    for key, value in sections.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and key not in ("strategy",
+                                                                                            "performance") else value
+    return mlp_recipe(tmp, name, **base)
+
+
+def run(tmp: Path, path: Path, **env: str) -> Path:
+    result = trainkit(tmp, "run", str(path), **env)
+    assert result.returncode == 0, result.output[-6000:]
+    return tmp / "runs" / path.stem
+
+
+def probe_rows(folder: Path, ranks: int) -> list[dict]:
+    return [json.loads(line) for r in range(ranks) for line in (folder / f"perf-rank{r}.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- in effect, through `trainkit run`
+@pytest.fixture(scope="module")
+def plain_ddp(tmp_path_factory) -> list[float]:
+    tmp = tmp_path_factory.mktemp("plain")
+    return losses(run(tmp, resnet_recipe(tmp, "plain")))
+
+
+@pytest.mark.distributed
+def test_ddp_channels_last_and_selective_checkpointing_are_in_effect(tmp_path, plain_ddp):
+    """channels_last: every 4-D weight and the first convolution's input are NHWC. Selective
+    checkpointing every 2nd BasicBlock: blocks 0, 2, 4, 6 run their forward twice per step (the
+    recomputation in backward), the others once.
+
+    Bound: checkpointing alone is exact (the recomputation repeats the same operations; shown bit
+    for bit in-process by test_activation_checkpointing_selects_blocks's sibling below, and BatchNorm
+    in training mode normalises with the batch's statistics, so the second update of its running
+    statistics does not reach the loss). channels_last convolutions add in another order: the first
+    step's loss (same weights) agrees within 1e-5 relative (measured 2.5e-6). This ResNet on random
+    labels with 8-sample BatchNorm amplifies such differences step by step (measured in one process:
+    2e-4 at step 2, 3% at step 4), so later steps get a 10% bound -- a wrong layout (NHWC data read
+    as NCHW) already moves the first loss by far more than 1e-5.
+    """
+    perf = {"channels_last": True,
+            "activation_checkpointing": {"mode": "selective", "blocks": ["BasicBlock"], "every_n_blocks": 2}}
+    path = resnet_recipe(tmp_path, "opts", performance=perf)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    ours = losses(run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe), TRAINKIT_PROBE_BLOCKS="BasicBlock"))
+    for row in probe_rows(probe, 2):
+        assert row["weights_channels_last"] and all(row["weights_channels_last"])
+        assert row["input_channels_last"] is True
+        assert list(row["forwards"].values()) == [2, 1, 2, 1, 2, 1, 2, 1], row["forwards"]
+    assert ours[0] == pytest.approx(plain_ddp[0], rel=1e-5)
+    assert ours == pytest.approx(plain_ddp, rel=0.1)
+
+
+def test_activation_checkpointing_alone_is_bit_exact():
+    import torchvision
+
+    from trainkit.recipe.blocks import ActivationCheckpointingOptions as AC
+    from trainkit.runtime.performance import apply_activation_checkpointing
+
+    def trajectory(ac) -> list[float]:
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=4)
+        apply_activation_checkpointing(model, ac)
+        opt = torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9)
+        out = []
+        for _ in range(3):
+            x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 4, (4,))
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    assert trajectory(AC(mode="full", blocks=["BasicBlock"])) == trajectory(AC(mode="none"))
+
+
+def test_sync_batchnorm_replaces_every_batchnorm_before_wrapping():
+    """What the worker does before DDP wraps the model. (torch's SyncBatchNorm runs only on GPUs,
+    so on this CPU machine the conversion is what can be shown; preflight refuses it on the CPU.)"""
+    import torchvision
+
+    from trainkit.recipe.blocks import PerformanceOptions
+    from trainkit.runtime.performance import prepare_model
+
+    model = prepare_model(torchvision.models.resnet18(num_classes=4), PerformanceOptions(sync_batchnorm=True))
+    assert sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) == 20
+    assert not any(type(m) is nn.BatchNorm2d for m in model.modules())
+
+
+def test_compile_compiles_the_model_and_keeps_the_loss(tmp_path):
+    """torch.compile on one process (the in-process launch): dynamo captured graphs and inductor
+    compiled them, and the loss follows eager within 1e-4 relative over 4 steps -- inductor fuses
+    and reorders fp32 reductions (~1e-6 relative per step measured), a wrong graph moves it >1e-2."""
+    mlp = {"model": {"name": "mlp", "args": {"in_features": 48, "hidden": 64, "num_classes": 4}},
+           "trainer": {"max_steps": 4, "log_every": 1, "checkpoint": {"every": 100}},
+           "launch": {"nproc_per_node": 1, "run_dir": str(tmp_path / "runs"), "timeout_s": 120}}
+    eager = losses(run(tmp_path, mlp_recipe(tmp_path, "eager", **mlp)))
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    path = mlp_recipe(tmp_path, "compiled", performance={"compile": {"fullgraph": True}}, **mlp)
+    compiled = losses(run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe)))
+    last = probe_rows(probe, 1)[-1]["dynamo"]
+    assert last["stats"].get("unique_graphs", 0) >= 1, last
+    assert not last.get("graph_break"), last
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+# --------------------------------------------------------------------------- in-process: block selection
+def test_activation_checkpointing_selects_blocks():
+    from trainkit.recipe.blocks import ActivationCheckpointingOptions as AC
+    from trainkit.runtime.performance import apply_activation_checkpointing, checkpointed_blocks
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(6)])
+    assert checkpointed_blocks(model, AC(mode="none")) == []
+    assert len(checkpointed_blocks(model, AC(mode="full"))) == 6
+    assert checkpointed_blocks(model, AC(mode="selective", every_n_blocks=3)) == [model[0], model[3]]
+    assert len(checkpointed_blocks(model, AC(mode="full", blocks=["Linear"]))) == 6
+
+    calls = []
+    model[1].register_forward_pre_hook(lambda m, a: calls.append(1))
+    apply_activation_checkpointing(model, AC(mode="full"))
+    model(torch.randn(2, 4)).sum().backward()
+    assert len(calls) == 2  # once in forward, once recomputed in backward
+
+
+def test_performance_accepts_the_short_forms():
+    from trainkit.recipe.blocks import PerformanceOptions
+
+    p = PerformanceOptions(compile=True, activation_checkpointing="full")
+    assert p.compile_options.mode == "default" and p.checkpointing.mode == "full"
+    assert PerformanceOptions().compile_options is None
+    assert PerformanceOptions(compile={"mode": "max-autotune"}).compile_options.mode == "max-autotune"
+
+
+# --------------------------------------------------------------------------- bad input, before launch
+@pytest.mark.parametrize("sections, field, words", [
+    ({"strategy": {"name": "fsdp"}, "performance": {"sync_batchnorm": True}}, "sync_batchnorm", "strategy ddp"),
+    ({"performance": {"sync_batchnorm": True}}, "sync_batchnorm", "only on GPUs"),
+    ({"performance": {"compile": True, "activation_checkpointing": "full"}}, "compile", "not supported"),
+    ({"performance": {"channels_last": True}, "data": {"name": "synthetic", "batch_size": 8, "shape": [48]}},
+     "channels_last", "4-D inputs"),
+])
+def test_bad_performance_combinations_are_refused_with_the_line(tmp_path, sections, field, words):
+    path = mlp_recipe(tmp_path, "bad", **sections)
+    result = trainkit(tmp_path, "validate", "--deep", str(path))
+    assert result.returncode == 2, result.output
+    assert f"{path}:" in result.output and field in result.output and words in result.output, result.output

@@ -1,0 +1,121 @@
+"""The recipe's `performance:` options, as small functions the worker and the strategies call.
+
+Where each one applies differs per strategy (the strategies call these at the right point):
+
+- backend flags (tf32, cudnn.benchmark) and the model-wide conversions (channels_last, SyncBatchNorm)
+  happen once in the worker, before the strategy wraps the model;
+- activation checkpointing goes on blocks (`checkpoint_blocks`) before any wrapper: FSDP per unit
+  before `fully_shard`, DDP/DeepSpeed on the bare module, the pipeline inside each stage;
+- torch.compile goes on the module a wrapper will hold (`compile_module`): the whole model before DDP
+  wraps it (`torch.compile(DDP(m))` compiles nothing: DDP's forward breaks the graph), each block
+  before FSDP shards it, each pipeline stage. `nn.Module.compile()` compiles in place, so parameter
+  names -- and so checkpoints -- are those of the eager model.
+
+The composable `torch.distributed._composable.checkpoint` is used for checkpointing: hooks on the
+block instead of a wrapper module, so parameter names do not change either.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..recipe.blocks import ActivationCheckpointingOptions, CompileOptions, PerformanceOptions
+
+CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def repeated_blocks(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """The model's blocks, in registration (forward) order.
+
+    With class names (e.g. ``["Bottleneck"]``): every module of those classes, outermost only.
+    Without (automatic): the children with parameters of every Sequential/ModuleList container,
+    i.e. the repeated blocks of a network (ResNet's Bottlenecks, an MLP's layers).
+    """
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if class_names:
+                hit = type(child).__name__ in class_names
+            else:
+                hit = isinstance(module, CONTAINERS) and _has_params(child)
+            if hit:
+                chosen.append(child)
+            else:
+                visit(child)
+
+    if class_names and type(model).__name__ in class_names:
+        return []  # the root is the only block
+    visit(model)
+    return chosen
+
+
+def set_backend_flags(perf: PerformanceOptions) -> None:
+    """Process-wide switches: TF32 (what MFU's peak is measured against) and cuDNN autotuning."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = perf.tf32
+    torch.backends.cudnn.benchmark = perf.cudnn_benchmark
+
+
+def prepare_model(model: nn.Module, perf: PerformanceOptions) -> nn.Module:
+    """Model-wide conversions before the strategy wraps the model: SyncBatchNorm (DDP only, checked
+    before launch) and the channels_last memory format of 4-D parameters."""
+    if perf.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if perf.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def checkpointed_blocks(model: nn.Module, ac: ActivationCheckpointingOptions) -> list[nn.Module]:
+    """The blocks the options select: none, all of them (full) or every n-th (selective)."""
+    if ac.mode == "none":
+        return []
+    blocks = repeated_blocks(model, ac.blocks)
+    step = ac.every_n_blocks if ac.mode == "selective" else 1
+    return blocks[::step]
+
+
+def checkpoint_blocks(blocks: list[nn.Module]) -> None:
+    """Composable activation checkpointing on each block: recomputed in backward, names unchanged."""
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)
+
+
+def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointingOptions) -> list[nn.Module]:
+    blocks = checkpointed_blocks(model, ac)
+    checkpoint_blocks(blocks)
+    return blocks
+
+
+def compile_kwargs(options: CompileOptions) -> dict:
+    kwargs = {"mode": None if options.mode == "default" else options.mode, "fullgraph": options.fullgraph}
+    if options.dynamic is not None:
+        kwargs["dynamic"] = options.dynamic
+    return kwargs
+
+
+def compile_module(module: nn.Module, options: Optional[CompileOptions]) -> nn.Module:
+    """torch.compile in place (`nn.Module.compile`): same object, same parameter names."""
+    if options is not None:
+        module.compile(**compile_kwargs(options))
+    return module
+
+
+def channels_last_input(x):
+    """A 4-D floating tensor in channels_last memory format; anything else unchanged."""
+    if isinstance(x, torch.Tensor) and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+__all__ = ["apply_activation_checkpointing", "channels_last_input", "checkpoint_blocks", "checkpointed_blocks",
+           "compile_kwargs", "compile_module", "prepare_model", "repeated_blocks", "set_backend_flags"]
