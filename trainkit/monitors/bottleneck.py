@@ -1,6 +1,6 @@
 """The bottleneck report: from measured step phases, say what limits the run and what to change.
 
-Input is every rank's mean step breakdown (runtime.stats.RunStats), plus what the run knows about
+Input is every rank's median step breakdown (runtime.stats.RunStats), plus what the run knows about
 where it ran (`env`: device, backend, bf16 support), its whole-run time accounting (`wall`: steps,
 evaluation, checkpoints, logging, start-up, shutdown) and GPU utilisation (`gpu`). The run is classified as
 straggler-, data-, communication- or compute-bound, with the numbers as evidence and concrete recipe

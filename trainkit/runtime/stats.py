@@ -1,4 +1,7 @@
-"""Per-rank running means of the step phases: the evidence the bottleneck report reasons from.
+"""Per-rank statistics of the step phases: the evidence the bottleneck report reasons from.
+
+The report uses each rank's *median* per phase: one step that the OS descheduled (common on a busy
+host) would move a mean enough to make a healthy rank look like a straggler.
 
 Steps arrive with device phases unresolved (CUDA events); they are kept until the end of the log
 interval and resolved then, so the device is never synchronized per step for these statistics."""
@@ -6,6 +9,8 @@ interval and resolved then, so the device is never synchronized per step for the
 from __future__ import annotations
 
 import socket
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -14,6 +19,7 @@ from .timing import StepTimes
 
 WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up
 FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm", "comm_exposed")
+KEPT_STEPS = 100_000  # per-step values kept for the medians (7 floats a step)
 
 
 @dataclass
@@ -22,6 +28,7 @@ class RunStats:
     run: dict = field(default_factory=dict)
     interval: dict = field(default_factory=dict)
     pending: list = field(default_factory=list)  # this interval's steps, device phases not yet resolved
+    values: dict = field(default_factory=dict)  # field -> the run's per-step values (for medians)
 
     def add(self, times: StepTimes) -> None:
         self.seen += 1
@@ -35,6 +42,10 @@ class RunStats:
             self._sum(times.resolve())
 
     def _sum(self, times: StepTimes) -> None:
+        for name in FIELDS:
+            value = getattr(times, name)
+            if value is not None:
+                self.values.setdefault(name, deque(maxlen=KEPT_STEPS)).append(value)
         for bucket in (self.run, self.interval):
             bucket["steps"] = bucket.get("steps", 0) + 1
             for name in FIELDS:
@@ -61,9 +72,20 @@ class RunStats:
             out["backward"] = out["compute"] - out["forward"]
         return out
 
+    def medians(self) -> dict:
+        """This rank's median per phase over the run's measured steps (`backward` = compute - forward)."""
+        self._resolve()
+        out = {"steps": self.run.get("steps", 0), "host": socket.gethostname(),
+               "rank": dist.get_rank() if dist.is_initialized() else 0}
+        for name, values in self.values.items():
+            out[name] = statistics.median(values)
+        if "forward" in out and "compute" in out:
+            out["backward"] = statistics.median(c - f for c, f in zip(self.values["compute"], self.values["forward"]))
+        return out
+
     def gather(self, world_size: int) -> list[dict]:
-        """Every rank's means, on every rank (one collective at the end of the run)."""
-        mine = self.means()
+        """Every rank's medians, on every rank (one collective at the end of the run)."""
+        mine = self.medians()
         if world_size == 1 or not dist.is_initialized():
             return [mine]
         out: list = [None] * world_size
