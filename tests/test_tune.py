@@ -69,13 +69,13 @@ def test_the_budget_holds_and_trials_are_child_runs_of_one_mlflow_run(tmp_path):
     recipe = mlp_recipe(tmp_path, "budgeted", tracking={"enabled": True, "experiment": "tune"}, **FAST)
     start = time.monotonic()
     r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph,gradient_as_bucket_view", "--steps", "8",
-                 "--budget", "0.5")
+                 "--budget", "0.75")
     took = time.monotonic() - start
     assert r.returncode == 0, r.output
-    assert "budget of 0.5 min spent" in r.stdout
+    assert "budget of 0.75 min spent" in r.stdout
     trials = len(re.findall(r"^trainkit: tune: trial \d+: \S+: [\d.]+ samples/s$", r.stdout, re.M))
     one_trial = took / max(1, trials)
-    assert took <= 30 + 2 * one_trial + 15, (took, trials)  # the budget, one trial, and start-up/report time
+    assert took <= 45 + one_trial + 15, (took, trials)  # the budget, one trial, and start-up/report time
 
     from mlflow.tracking import MlflowClient
 

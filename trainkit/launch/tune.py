@@ -162,7 +162,7 @@ class Tuner:
         self.trial_estimate_s = first.wall_s
         self._plan_arms()
         needed = self.trial_estimate_s * (1 + 2 * tune_stats.MIN_PAIRS)
-        if self.arms and self._elapsed() + 2 * tune_stats.MIN_PAIRS * self.trial_estimate_s > self.o.budget_s:
+        if self.arms and self._elapsed() + 2 * self.trial_estimate_s > self.o.budget_s:  # not even one pair fits
             self.stopped = (f"--budget {self.o.budget_s / 60:g} min leaves no room to measure a change: one trial "
                             f"takes about {self.trial_estimate_s:.0f} s, and a change needs {tune_stats.MIN_PAIRS} "
                             f"trials of it alternating with the baseline (about {needed / 60:.1f} min with the "
