@@ -117,14 +117,25 @@ KNOBS: list[Knob] = [
 ]
 
 
+# performance options with their own row, used only when the installed schema has the field
+PERFORMANCE_ROWS = [
+    Knob("compile", "performance.compile", lambda r, f: [True] if not r.performance.compile else []),
+    Knob("cudnn_benchmark", "performance.cudnn_benchmark", _flip("performance.cudnn_benchmark", True),
+         applies=_needs_cuda),
+]
+NOT_SPEED_KNOBS = {"sync_batchnorm"}  # changes what is computed (BatchNorm statistics), never a speed-up
+
+
 def performance_knobs() -> list[Knob]:
-    """A knob for every boolean performance option the schema has that the table does not name yet
-    (channels_last, compile, ... as they land): tried as `true`."""
+    """The performance rows the schema has, plus a knob for every other boolean performance option the
+    table does not name (channels_last, ... as they land): tried as `true`."""
+    fields = PerformanceOptions.model_fields
     named = {k.path for k in KNOBS}
-    found = []
-    for name, info in PerformanceOptions.model_fields.items():
+    found = [k for k in PERFORMANCE_ROWS if k.path.split(".")[1] in fields and k.path not in named]
+    named |= {k.path for k in found}
+    for name, info in fields.items():
         path = f"performance.{name}"
-        if path not in named and info.annotation is bool:
+        if path not in named and name not in NOT_SPEED_KNOBS and info.annotation is bool:
             found.append(Knob(name, path, _flip(path, True)))
     return found
 
