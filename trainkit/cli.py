@@ -21,6 +21,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected minutes above 0 (fractions allowed, e.g. 0.5), got {text!r}")
+    return value
+
+
 OVERRIDES_HELP = ("override recipe values: key=value (any key the schema defines, e.g. trainer.max_steps=20), "
                   "+key=value (add a key under a free-form mapping such as model.args), ~key (delete a key, "
                   "e.g. one inherited from defaults:)")
@@ -133,6 +143,37 @@ trainkit run recipes/ddp-mlp.yaml trainer.max_steps=200 --accept-changes   # res
                         "MLflow continues in a new linked run)")
     _add_overrides(p)
     p.set_defaults(func=cmd_run)
+
+    p = _command(sub, "tune", "measure the bottleneck advice as short real runs; write the recipe with only what "
+                 "is proven faster",
+                 "Measure the recipe as given (the baseline, with the breakdown monitor), build candidate changes "
+                 "from its bottleneck diagnosis (data loading, DDP buckets and hooks, sharding, performance options; "
+                 "batch size and precision only with --allow), run each as short real `trainkit run` trials "
+                 "alternating with the baseline, keep a change only if its gain is significant (bootstrap 95% "
+                 "interval of the paired throughput ratios above 1, and above the baseline's own noise), verify the "
+                 "kept changes together, then write TUNED.yaml (the recipe with only the kept changes, each with "
+                 "its measured gain) and TUNED.report.md. Exit 0 when done (with or without a change), 1 if the "
+                 "baseline fails, 2 if refused. See docs/tune.md.",
+                 """
+trainkit tune recipes/ddp-mlp.yaml --budget 10
+trainkit tune recipes/resnet50.yaml --knobs num_workers,prefetch_factor --steps 40 -o resnet50.tuned.yaml
+trainkit tune recipes/ddp-mlp.yaml --allow batch,precision --budget 30
+trainkit tune recipes/ddp-mlp.yaml launch.nproc_per_node=2 --knobs bucket_cap_mb,static_graph""")
+    p.add_argument("recipe", metavar="RECIPE")
+    _add_overrides(p)
+    p.add_argument("--budget", type=_positive_minutes, default=15.0, metavar="MINUTES",
+                   help="wall-clock minutes for all trials (may be fractional; default 15): respected to within one trial")
+    p.add_argument("--steps", type=_positive, default=30, help="optimizer steps per trial (default 30; the first 2 "
+                                                                "are warm-up and not measured)")
+    p.add_argument("--knobs", metavar="a,b,c", help="knobs to try, whatever the diagnosis says (default: those the "
+                                                   "diagnosis points at); knobs that do not apply are listed and skipped")
+    p.add_argument("--allow", default="", metavar="batch,precision",
+                   help="also try changes that alter training: batch (global batch, lr by the linear scaling rule), "
+                        "precision (bf16, compressed gradients, tf32)")
+    p.add_argument("-o", "--output", metavar="TUNED.yaml", help="the tuned recipe (default: RECIPE's name + "
+                                                                ".tuned.yaml beside it); the report goes beside it")
+    p.add_argument("--force", action="store_true", help="allow -o to overwrite the input recipe")
+    p.set_defaults(func=cmd_tune)
 
     p = _command(sub, "doctor", "can this machine run it? versions, GPUs, ports, /dev/shm, limits, disk, data "
                  "(exit 1 if any check fails)",
@@ -437,6 +478,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .launch import launcher
 
     return launcher.run(resolved, args.recipe, list(args.overrides), accept_changes=args.accept_changes)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .recipe import resolve
+
+    resolved = resolve(args.recipe, args.overrides)  # an invalid recipe: the usual messages, exit 2
+    from .launch import tune
+
+    recipe = Path(args.recipe)
+    out = Path(args.output) if args.output else recipe.with_name(recipe.stem + ".tuned.yaml")
+    split = lambda text: [w.strip() for w in (text or "").split(",") if w.strip()]  # noqa: E731
+    options = tune.Options(budget_s=args.budget * 60, steps=args.steps,
+                           knobs=split(args.knobs) if args.knobs else None, out=out, allow=frozenset(split(args.allow)))
+    return tune.tune(resolved, args.recipe, list(args.overrides), options, force=args.force)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

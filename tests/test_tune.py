@@ -1,0 +1,113 @@
+"""`trainkit tune` (docs/tune.md): real trials on 2 CPU processes, kept tiny (few steps, one or two
+knobs). A planted data-loading bottleneck is found, fixed and proven; a healthy recipe gets no
+false improvement; the budget holds; bad input is refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import yaml
+
+from run_helpers import mlp_recipe, trainkit
+
+from trainkit.launch import tune_stats
+
+FAST = {"trainer": {"max_steps": 12, "log_every": 1, "checkpoint": {"every": 100, "keep": 1}}}
+
+
+def _measured_samples_per_s(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    return json.loads((run_dir / "summary.json").read_text())["global_batch"] / statistics.median(times)
+
+
+def test_a_data_bound_recipe_gets_workers_and_the_tuned_recipe_is_faster(tmp_path):
+    recipe = mlp_recipe(tmp_path, "slow-data", data={"sleep_ms": 2.0, "num_workers": 0}, **FAST)
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "num_workers", "--steps", "12", "--budget", "3")
+    assert r.returncode == 0, r.output
+    assert "data-bound" in r.stdout and "| num_workers=1 |" in r.stdout and "kept" in r.stdout
+
+    tuned = tmp_path / "slow-data.tuned.yaml"
+    text = tuned.read_text()
+    assert "# tune: was 0; num_workers=1: +" in text  # the measured gain, beside the change
+    data = yaml.safe_load(text)
+    assert data["data"]["num_workers"] >= 1
+    original = yaml.safe_load(recipe.read_text())
+    assert {**data, "data": {**data["data"], "num_workers": 0}} == original  # only the kept change
+    assert (tmp_path / "slow-data.tuned.report.md").is_file()
+    assert not any((tmp_path / "runs").glob("*")), "trial run directories are removed"
+
+    # a fresh verification: the tuned recipe against the original, each its own run
+    data["name"] = "slow-data-tuned"
+    tuned_copy = tmp_path / "verify.yaml"
+    tuned_copy.write_text(yaml.safe_dump(data))
+    assert trainkit(tmp_path, "run", str(recipe)).returncode == 0
+    assert trainkit(tmp_path, "run", str(tuned_copy)).returncode == 0
+    before = _measured_samples_per_s(tmp_path / "runs" / "slow-data")
+    after = _measured_samples_per_s(tmp_path / "runs" / "slow-data-tuned")
+    assert after >= 1.3 * before, (before, after)
+
+
+def test_a_healthy_recipe_gets_no_false_improvement_and_foreign_knobs_are_skipped(tmp_path):
+    recipe = mlp_recipe(tmp_path, "healthy", **FAST)
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "gradient_as_bucket_view,zero_stage,reshard_after_forward",
+                 "--steps", "12", "--budget", "3")
+    assert r.returncode == 0, r.output
+    assert "skipped zero_stage: only for strategy deepspeed (this recipe: ddp)" in r.stdout
+    assert "skipped reshard_after_forward: only for strategy fsdp" in r.stdout
+    assert "Result: **no change**" in r.stdout
+    assert not (tmp_path / "healthy.tuned.yaml").exists()
+    assert (tmp_path / "healthy.tuned.report.md").is_file()
+
+
+def test_the_budget_holds_and_trials_are_child_runs_of_one_mlflow_run(tmp_path):
+    recipe = mlp_recipe(tmp_path, "budgeted", tracking={"enabled": True, "experiment": "tune"}, **FAST)
+    start = time.monotonic()
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph,gradient_as_bucket_view", "--steps", "8",
+                 "--budget", "0.75")
+    took = time.monotonic() - start
+    assert r.returncode == 0, r.output
+    assert "budget of 0.75 min spent" in r.stdout
+    trials = len(re.findall(r"^trainkit: tune: trial \d+: \S+: [\d.]+ samples/s$", r.stdout, re.M))
+    one_trial = took / max(1, trials)
+    assert took <= 45 + one_trial + 15, (took, trials)  # the budget, one trial, and start-up/report time
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tune")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [x for x in runs if x.data.tags.get("trainkit.tune") == "parent"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(children) == len(runs) - 1 >= 2
+    assert not any((tmp_path / "runs").glob("*")), "run directories removed after delivery"
+
+
+def test_bad_input_is_refused_before_anything_runs(tmp_path):
+    recipe = mlp_recipe(tmp_path, "input", **FAST)
+    r = trainkit(tmp_path, "tune", str(recipe), "strategy.bucket_cap=5")
+    assert r.returncode == 2 and "bucket_cap_mb" in r.stderr and "nothing was started" in r.stderr
+    r = trainkit(tmp_path, "tune", str(recipe), "-o", str(recipe))
+    assert r.returncode == 2 and "would overwrite the input recipe" in r.stderr and "--force" in r.stderr
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "num_worker")
+    assert r.returncode == 2 and "did you mean 'num_workers'" in r.stderr
+    r = trainkit(tmp_path, "tune", str(recipe), "--allow", "everything")
+    assert r.returncode == 2 and "accepted: batch, precision" in r.stderr
+    r = trainkit(tmp_path, "tune", str(recipe), "--budget", "0.02")
+    assert r.returncode == 2 and "too small" in r.stderr and "--budget" in r.stderr
+    assert not any((tmp_path / "runs").glob("*"))
+
+
+def test_the_decision_rule_needs_a_gain_above_the_interval_and_the_noise():
+    assert tune_stats.judge([1.5, 1.6, 1.55], 0.02, final=False).decision == tune_stats.KEEP
+    assert tune_stats.judge([1.05, 1.06, 1.04], 0.05, final=True).decision == tune_stats.NOT_SIGNIFICANT  # < 3x noise
+    assert tune_stats.judge([0.8, 0.82, 0.79], 0.02, final=False).decision == tune_stats.SLOWER
+    assert tune_stats.judge([1.2, 0.9, 1.1], 0.02, final=False).decision == tune_stats.UNDECIDED
+    assert tune_stats.judge([1.5, 1.6], 0.0, final=False).decision == tune_stats.UNDECIDED  # too few pairs
+    seq = [("baseline", 100.0), ("a", 150.0), ("baseline", 110.0), ("a", 160.0)]
+    assert tune_stats.paired_ratios(seq, "a") == [150.0 / 105.0, 160.0 / 110.0]
