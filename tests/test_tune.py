@@ -26,7 +26,10 @@ def _measured_samples_per_s(run_dir: Path) -> float:
 
 
 def test_a_data_bound_recipe_gets_workers_and_the_tuned_recipe_is_faster(tmp_path):
-    recipe = mlp_recipe(tmp_path, "slow-data", data={"sleep_ms": 2.0, "num_workers": 0}, **FAST)
+    # 16 ms of data loading per step and about as much compute: a worker process overlaps them
+    recipe = mlp_recipe(tmp_path, "slow-data", data={"sleep_ms": 2.0, "num_workers": 0},
+                        model={"name": "mlp", "args": {"in_features": 48, "hidden": 1024, "depth": 3, "num_classes": 4}},
+                        **FAST)
     r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "num_workers", "--steps", "12", "--budget", "3")
     assert r.returncode == 0, r.output
     assert "data-bound" in r.stdout and "| num_workers=1 |" in r.stdout and "kept" in r.stdout
