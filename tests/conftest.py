@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -14,3 +13,25 @@ def _isolated_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     yield
+
+
+# --------------------------------------------------------------------------- language-model runs
+# Shared by test_tasks_lm.py and test_strategies_lm.py: one corpus and one 1-rank reference run per session.
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    from lm_runs import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def one_rank(tmp_path_factory, corpus) -> list[float]:
+    from lm_runs import STEPS, lm_recipe
+    from run_helpers import losses
+    from strategy_runs import run
+
+    tmp = tmp_path_factory.mktemp("one")
+    path = lm_recipe(tmp, "one", corpus, data={"batch_size": 8}, launch={"nproc_per_node": 1})
+    out = losses(run(tmp, path))
+    assert len(out) == STEPS and out[-1] < out[0]
+    return out

@@ -16,25 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_runs import STEPS, TINY, lm_recipe, make_corpus
+from lm_runs import STEPS, TINY, lm_recipe
 from run_helpers import losses, summary, trainkit
 from strategy_runs import RTOL, run
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> dict:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, corpus) -> list[float]:
-    tmp = tmp_path_factory.mktemp("one")
-    path = lm_recipe(tmp, "one", corpus, data={"batch_size": 8}, launch={"nproc_per_node": 1})
-    out = losses(run(tmp, path))
-    assert len(out) == STEPS and out[-1] < out[0]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -262,10 +262,15 @@ def report(run_dir: Path, summary: dict) -> None:
           flush=True)
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception, redact=str) -> None:
     """Record the exception in torchelastic's error file (what the launcher's report reads), then
-    exit 1. Local rank 0 shares the user's console: one line there instead of a traceback."""
+    exit 1. Local rank 0 shares the user's console: one line there instead of a traceback. `redact`
+    masks the recipe's secrets: a message that held one is recorded as a RuntimeError with it masked."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    masked = redact(f"{type(exc).__name__}: {exc}")
+    if masked != f"{type(exc).__name__}: {exc}":
+        exc = RuntimeError(masked)
 
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         get_error_handler().record_exception(exc)
@@ -319,7 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(console, flush=True)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
     except Exception as exc:
-        _fail(exc)
+        _fail(exc, resolved.redact_text)
     except StopRequested as stop:
         print(f"trainkit: rank {dist.get_rank()} stopping on {stop}", file=sys.stderr, flush=True)
         if argv is None:
