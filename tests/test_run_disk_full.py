@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from run_helpers import env_for, mlp_recipe, trainkit
 
+from trainkit.launch import failures
 from trainkit.runtime.checkpoint import newest_valid, problem_with
 
 
@@ -74,3 +75,49 @@ def test_enospc_during_a_save_names_the_folder_keeps_the_previous_checkpoint_and
         assert newest_valid(disk / "filling" / "checkpoints", warn=False) == first
         assert problem_with(first) is None
         assert "unexpected pos" not in out.split("trainkit: training failed")[-1].split("also failed")[0]
+
+
+def _fill(disk, leave: int = 0) -> None:
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(disk / "filler", "wb") as fh:
+        fh.write(b"\0" * max(0, free - leave))
+
+
+def test_the_launcher_names_the_full_disk_when_no_rank_could_report_it(tmp_path):
+    """Guards the launcher's own report: on a disk too full for any rank's error.json or console log,
+    what is left (the abandoned `.tmp-step-...` folder, the free space) still names the failed save, the
+    bytes needed and free, and the checkpoint kept; with room on the disk, no such claim is made."""
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        ckpts = disk / "checkpoints"
+        (ckpts / "step-00000004").mkdir(parents=True)
+        (ckpts / "step-00000004" / "model.pt").write_bytes(b"w" * 300_000)
+        assert failures.disk_full_note(ckpts) is None  # nothing abandoned
+        (ckpts / ".tmp-step-00000008").mkdir()
+        assert failures.disk_full_note(ckpts) is None  # abandoned, but ~3.7 MB are free: not a full disk
+        _fill(disk)
+        note = failures.disk_full_note(ckpts)
+        assert note is not None and "while writing step-00000008" in note, note
+        assert "needs about 300,000 bytes" in note and " 0 bytes are free" in note, note
+        assert f"the previous checkpoint {ckpts / 'step-00000004'} is kept" in note, note
+
+
+def test_an_error_report_that_does_not_fit_is_left_out_not_left_half_written(tmp_path, monkeypatch):
+    """Guards the agent against a truncated error.json (it crashed on one with JSONDecodeError and every
+    rank's report was lost): on a full disk the rank's error file is absent, never empty."""
+    from trainkit.runtime import worker
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        error_file = disk / "error.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        _fill(disk)
+        try:
+            raise RuntimeError("x" * 20_000)  # a report bigger than any page left
+        except RuntimeError as exc:
+            worker._record_error(exc, error_file)
+        assert not error_file.exists()
+        os.remove(disk / "filler")
+        try:
+            raise RuntimeError("fits")
+        except RuntimeError as exc:
+            worker._record_error(exc, error_file)
+        assert "RuntimeError: fits" in error_file.read_text()

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..runtime.checkpoint_layout import disk_full_message, disk_too_full, failed_save
+
 COLLATERAL = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "Broken pipe", "timed out",
               "Timed out", "SIGTERM")
 
@@ -80,6 +82,16 @@ def summarize(err, log_dir: Path, max_restarts: int) -> str:
         lines.append(f"  also failed: rank(s) {', '.join(map(str, others))}")
     lines.append(f"  full logs: {log_dir}")
     return "\n".join(lines)
+
+
+def disk_full_note(ckpt_dir: Path) -> Optional[str]:
+    """The checkpoint disk ran full, said from what a full disk leaves behind: the ranks' own report
+    (error.json, their console log) lives on that disk too and may not have fit. Evidence: a save
+    abandoned mid-way (`.tmp-step-...`) and less free space than a checkpoint takes."""
+    abandoned = failed_save(ckpt_dir)
+    if abandoned is None or not disk_too_full(ckpt_dir):
+        return None
+    return f"trainkit: {disk_full_message(ckpt_dir, abandoned)}"
 
 
 # --------------------------------------------------------------------------- restarts, as they happen

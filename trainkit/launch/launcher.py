@@ -349,7 +349,7 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -
     except ChildFailedError as err:
         report = redact(failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts))
         print(report, file=sys.stderr)
-        return 1, report
+        return 1, _with_disk_full_note(report, run_dir)
     except SignalException as exc:
         return _stopped(int(exc.sigval), run_dir, launch_dir)
     except KeyboardInterrupt:
@@ -357,8 +357,17 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -
     except Exception as exc:  # the agent itself failed (e.g. an unreadable error file on a full disk)
         reason = redact(f"torchrun's agent failed: {type(exc).__name__}: {exc}")
         print(f"trainkit: {reason} (worker logs: {run_dir / 'logs'})", file=sys.stderr)
-        return 1, reason
+        return 1, _with_disk_full_note(reason, run_dir)
     return 0, ""
+
+
+def _with_disk_full_note(report: str, run_dir: Path) -> str:
+    """Say that the checkpoint disk is full when the ranks' own report could not (it lives there too)."""
+    note = failures.disk_full_note(run_dir / "checkpoints")
+    if note is None or "no space left on the disk holding" in report:
+        return report
+    print(note, file=sys.stderr, flush=True)
+    return f"{report}\n{note}"
 
 
 def _stopped(signum: int, run_dir: Path, launch_dir: Path) -> tuple[int, str]:

@@ -23,9 +23,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .checkpoint_layout import PREFIX, TMP, disk_full_message, disk_too_full, folder_bytes, step_folders, step_of
 from .files import fsync_dir, fsync_save, sha256_file
-
-PREFIX = "step-"
 
 
 # --------------------------------------------------------------------------- files
@@ -101,19 +100,6 @@ def problem_with(folder: Path) -> Optional[str]:
     return None
 
 
-def _step_of(folder: Path) -> int:
-    return int(folder.name[len(PREFIX):])
-
-
-def step_folders(ckpt_dir: Path) -> list[Path]:
-    """Checkpoint folders, newest step first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-             and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
-
-
 def newest_valid(ckpt_dir: Path, warn: bool = True) -> Optional[Path]:
     """The newest complete, intact checkpoint; skipped ones are named in a warning."""
     for folder in step_folders(ckpt_dir):
@@ -133,7 +119,7 @@ def decide_resume(strategy, resume: str, ckpt_dir: Path, restart_count: int) -> 
     if strategy.rank == 0:
         try:
             source = resume_source(resume, ckpt_dir, restart_count, warn=True)
-            skipped = [f for f in step_folders(ckpt_dir) if source is None or _step_of(f) > _step_of(source)]
+            skipped = [f for f in step_folders(ckpt_dir) if source is None or step_of(f) > step_of(source)]
             if skipped and (restart_count > 0 or resume == "auto"):
                 where = f"from {source.name}" if source is not None else "from step 0 (no intact checkpoint)"
                 print(f"trainkit: resuming {where}: the newer checkpoint(s) {', '.join(f.name for f in skipped)} "
@@ -182,11 +168,17 @@ def _is_disk_full(exc: BaseException) -> bool:
     return False
 
 
-def _folder_bytes(folder: Optional[Path]) -> int:
-    try:
-        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder else 0
-    except OSError:
-        return 0
+def _vanished(exc: BaseException, tmp: Path) -> bool:
+    """A file of this save could not be opened because another rank emptied the folder (disk full)."""
+    return isinstance(exc, FileNotFoundError) and str(tmp) in str(getattr(exc, "filename", "") or "")
+
+
+def _empty(folder: Path) -> None:
+    for f in folder.glob("*"):
+        if f.is_dir():
+            shutil.rmtree(f, ignore_errors=True)
+        else:
+            f.unlink(missing_ok=True)
 
 
 class WorldSizeChanged(RuntimeError):
@@ -204,7 +196,7 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
         s = self.strategy
         final = self.dir / f"{PREFIX}{step:08d}"
-        tmp = self.dir / f".tmp-{final.name}"
+        tmp = self.dir / f"{TMP}{final.name}"
         if s.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -222,25 +214,18 @@ class Checkpointer:
                 self._seal(tmp, final, step)
             s.barrier()
         except BaseException as exc:
-            written, full = _folder_bytes(tmp), _is_disk_full(exc)
-            # interrupted or failed: never leave a half-written checkpoint behind; on a full disk every
-            # rank frees it at once, so the error reports (torchelastic's error.json) can still be written
-            if s.rank == 0 or full:
-                shutil.rmtree(tmp, ignore_errors=True)
+            full = _is_disk_full(exc) or (_vanished(exc, tmp) and disk_too_full(self.dir))
             if full:
-                raise self._disk_full(final, written) from exc
+                # every rank frees what it can at once, so the error reports (torchelastic's error.json,
+                # the fatal marker) can still be written; the emptied folder stays as the sign of which
+                # save failed, for the launcher's report and a restart's check (`failed_save`)
+                written = folder_bytes(tmp)
+                _empty(tmp)
+                raise DiskFullError(disk_full_message(self.dir, final.name, written)) from exc
+            if s.rank == 0:  # interrupted or failed: never leave a half-written checkpoint behind
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
-
-    def _disk_full(self, final: Path, written: int) -> "DiskFullError":
-        previous = next((f for f in step_folders(self.dir) if f != final), None)
-        need = _folder_bytes(previous) if previous is not None else written
-        free = shutil.disk_usage(self.dir).free
-        kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
-        return DiskFullError(f"no space left on the disk holding {self.dir} while writing {final.name}: a checkpoint "
-                             f"needs about {need:,} bytes{' (the size of the previous one)' if previous else ''}, "
-                             f"{free:,} bytes are free; {kept}. Free space there, lower trainer.checkpoint.keep, or "
-                             f"set launch.run_dir to a bigger disk")
 
     def _seal(self, tmp: Path, final: Path, step: int) -> None:
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -254,7 +239,7 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(self.dir)
-        kept = [f for f in step_folders(self.dir) if _step_of(f) <= step]  # newest first, this one included
+        kept = [f for f in step_folders(self.dir) if step_of(f) <= step]  # newest first, this one included
         for old in kept[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -268,7 +253,7 @@ class Checkpointer:
         s = self.strategy
         if s.rank == 0 and folder.resolve().parent == self.dir.resolve():
             for newer in step_folders(self.dir):
-                if _step_of(newer) > _step_of(folder):
+                if step_of(newer) > step_of(folder):
                     aside = self.dir / f"abandoned-{newer.name}-{int(time.time())}"
                     newer.rename(aside)
                     print(f"trainkit: note: {newer} is newer than the resumed checkpoint; moved to {aside}",

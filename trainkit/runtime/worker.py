@@ -19,6 +19,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +38,7 @@ from ..recipe.schema import Recipe
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
 from .checkpoint import Checkpointer, DiskFullError, decide_resume, saved_recipe
+from .checkpoint_layout import disk_full_message, disk_too_full, failed_save
 from .data import build_datasets, die_with_parent, make_loader
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
@@ -92,11 +94,17 @@ def record_fatal(run_dir: Path, exc: Exception) -> None:
         pass
 
 
-def raise_if_fatal(run_dir: Path) -> None:
+def raise_if_fatal(run_dir: Path, ckpt_dir: Path) -> None:
+    """Before a restart redoes any work: did the last attempt fail in a way a restart repeats? The
+    marker says so when it could be written; on a disk too full even for it, the save it abandoned
+    (`.tmp-step-...`) and the free space say so."""
     path = run_dir / FATAL
     if path.is_file():
         fatal = json.loads(path.read_text())
         raise NonRetryableError(f"not restarting: {fatal['message']}")
+    abandoned = failed_save(ckpt_dir)
+    if abandoned is not None and disk_too_full(ckpt_dir):
+        raise NonRetryableError(f"not restarting: {disk_full_message(ckpt_dir, abandoned)}")
 
 
 class NonRetryableError(RuntimeError):
@@ -202,7 +210,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
-        raise_if_fatal(run_dir)  # a restart would only redo a failure that restarting cannot fix
+        raise_if_fatal(run_dir, ckpt_dir)  # a restart would only redo a failure that restarting cannot fix
     source = decide_resume(strategy, recipe.trainer.resume, ckpt_dir, restart)
     state = TrainState()
     if source is not None:
@@ -234,9 +242,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         monitors.call("on_exception", exc)
         raise
     finally:
-        for sink in sinks:
-            if sink is not progress:
-                sink.close()
+        _close_sinks([sink for sink in sinks if sink is not progress], failing=sys.exc_info()[0] is not None)
     if summary["checkpoint"] is None and source is not None:
         summary["checkpoint"] = str(source)
     summary["resumed_from"] = str(source) if source else None
@@ -245,6 +251,17 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     summary["replica_digests"] = digests
     strategy.teardown()
     return summary
+
+
+def _close_sinks(sinks: list, failing: bool) -> None:
+    """Close every sink; while a failure propagates, a sink that cannot flush (a full disk) must not
+    replace that failure with its own error."""
+    for sink in sinks:
+        try:
+            sink.close()
+        except OSError:
+            if not failing:
+                raise
 
 
 def report(run_dir: Path, summary: dict) -> None:
@@ -265,23 +282,45 @@ def report(run_dir: Path, summary: dict) -> None:
 def _fail(exc: Exception, redact=str) -> None:
     """Record the exception in torchelastic's error file (what the launcher's report reads), then
     exit 1. Local rank 0 shares the user's console: one line there instead of a traceback. `redact`
-    masks the recipe's secrets: a message that held one is recorded as a RuntimeError with it masked."""
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
+    masks the recipe's secrets: a message that held one is recorded as a RuntimeError with it masked.
+    On a full disk (the error file and the console log live in the run dir) each of these may fail:
+    then the rank still exits 1, and the launcher reports from what is left (`failures.disk_full_note`)."""
     masked = redact(f"{type(exc).__name__}: {exc}")
     if masked != f"{type(exc).__name__}: {exc}":
         exc = RuntimeError(masked)
 
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        get_error_handler().record_exception(exc)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        _record_error(exc, Path(error_file))
+    if os.environ.get("LOCAL_RANK", "0") == "0" and error_file:
         rank = os.environ.get("RANK", "0")
-        print(f"trainkit: rank {rank} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-              file=sys.stderr, flush=True)
+        try:
+            print(f"trainkit: rank {rank} failed: {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(1)
-    raise exc
+    if not error_file:
+        raise exc
+    try:  # the other ranks' logs keep the traceback
+        traceback.print_exception(exc, file=sys.stderr)
+        sys.stderr.flush()
+    except OSError:
+        pass
+    sys.exit(1)
+
+
+def _record_error(exc: Exception, error_file: Path) -> None:
+    """torchelastic's error file, whole or not at all: a half-written one (ENOSPC) makes the agent
+    itself crash on reading it (JSONDecodeError), losing every rank's report."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    try:
+        get_error_handler().record_exception(exc)
+    except OSError:
+        error_file.unlink(missing_ok=True)
 
 
 def _die_with_launcher() -> None:
