@@ -22,7 +22,9 @@ from run_helpers import losses, mlp_recipe, trainkit
 
 RTOL = 1e-5
 STEPS = 20
-MODEL = {"name": "mlp", "args": {"in_features": 48, "hidden": 64, "num_classes": 4, "depth": 3}}
+# `init: seeded` everywhere: each parameter from (seed, its module's name), so a sharded strategy that
+# fills only its shards (FSDP, ZeRO-3) starts from exactly the one-process weights (runtime/materialize.py)
+MODEL = {"name": "mlp", "args": {"in_features": 48, "hidden": 64, "num_classes": 4, "depth": 3}, "init": "seeded"}
 
 
 def recipe(tmp: Path, name: str, strategy: dict, **sections) -> Path:

@@ -40,12 +40,15 @@ def single(tmp_path_factory) -> list[float]:
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, ext):
     tmp = tmp_path_factory.mktemp("zero3")
-    path = recipe(tmp, "zero3", {"name": "deepspeed", "zero_stage": 3})
+    path = recipe(tmp, "zero3", {"name": "deepspeed", "zero_stage": 3}, model={"init": "auto"})  # resolves to seeded
     return tmp, path, run(tmp, path, **ext)
 
 
 def test_zero3_follows_the_one_process_loss_trajectory(single, zero3_run):
+    """Also guards the sharded init: the model is built under DeepSpeed's zero.Init (partitioned as
+    each layer is built) and given the one-process run's seeded values one gathered module at a time."""
     _, _, run_dir = zero3_run
+    assert summary(run_dir)["model_init"] == "seeded"
     assert losses(run_dir) == pytest.approx(single, rel=RTOL)
     assert summary(run_dir)["replicas_identical"]
     assert (run_dir / "checkpoints" / "step-00000020" / "zero").is_dir()

@@ -28,12 +28,15 @@ def single(tmp_path_factory) -> list[float]:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     tmp = tmp_path_factory.mktemp("fsdp")
-    path = recipe(tmp, "fsdp", FSDP)
+    path = recipe(tmp, "fsdp", FSDP, model={"init": "auto"})  # the default: FSDP resolves it to seeded
     return tmp, path, run(tmp, path)
 
 
 def test_fsdp_follows_the_one_process_loss_trajectory(single, fsdp_run):
+    """Also guards the sharded init: the model is built on the meta device and each rank fills only
+    its shards, from the same (seed, name) values the one-process run computes whole."""
     _, _, run_dir = fsdp_run
+    assert summary(run_dir)["model_init"] == "seeded"
     ours = losses(run_dir)
     assert len(ours) == STEPS
     assert ours == pytest.approx(single, rel=RTOL)

@@ -32,6 +32,13 @@ def fp16_needs_loss_scaling(r: Recipe) -> Iterator[Finding]:
 
 
 @rule
+def seeded_init_has_no_weights_file(r: Recipe) -> Iterator[Finding]:
+    if r.model.init == "seeded" and r.model.weights:
+        yield ("model", "init"), ("seeded draws fresh initial weights, and model.weights loads them from a "
+                                  "file: remove one (with weights, leave init at auto)")
+
+
+@rule
 def skip_step_needs_a_loop_owned_optimizer_step(r: Recipe) -> Iterator[Finding]:
     if r.trainer.on_nonfinite == "skip_step" and r.strategy.name == "deepspeed":
         yield ("trainer", "on_nonfinite"), ("skip_step discards an optimizer step before it runs, but DeepSpeed's "

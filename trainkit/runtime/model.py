@@ -17,6 +17,7 @@ from torch import nn
 from .. import registry
 from ..recipe import imports
 from ..recipe.blocks import ModelSpec
+from .materialize import unseedable
 
 
 class NotAModelFactory(TypeError):
@@ -78,3 +79,24 @@ def build_model(spec: ModelSpec) -> nn.Module:
                 state = state[key]
         model.load_state_dict(state)
     return model
+
+
+def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = False) -> tuple[nn.Module, str]:
+    """The model with its initial values, and how they were made ("constructor" or "seeded").
+
+    `model.init` resolves here, with the strategy that will hold the model: seeded models are built
+    in `strategy.empty_init()` (meta parameters; DeepSpeed ZeRO-3: partitioned as they are built)
+    and given their values by `strategy.materialize` (runtime.materialize says why and how)."""
+    seeded = spec.init == "seeded" or (spec.init == "auto" and not spec.weights
+                                       and type(strategy).shards_parameters(strategy.options))
+    if not seeded:
+        return build_model(spec), "constructor"
+    with strategy.empty_init():
+        model = build_model(spec)
+    missing = unseedable(model)
+    if missing and spec.init == "auto":
+        if announce:
+            print(f"trainkit: note: model.init auto: {missing[0]} has no reset_parameters(), so the factory's own "
+                  f"init is used (every rank builds the whole model before it is sharded)", flush=True)
+        return build_model(spec), "constructor"
+    return strategy.materialize(model, seed), "seeded"  # refuses (CannotSeed) what cannot be seeded

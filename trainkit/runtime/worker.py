@@ -42,7 +42,7 @@ from .checkpoint_layout import disk_full_message, disk_too_full, failed_save
 from .data import build_datasets, die_with_parent, make_loader
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
-from .model import build_model
+from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
 from .performance import prepare_model, set_backend_flags
@@ -179,11 +179,12 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
     set_backend_flags(recipe.performance)  # tf32 (MFU's peak), cudnn.benchmark
-    model = prepare_model(build_model(recipe.model), recipe.performance)  # SyncBatchNorm, channels_last: before wrapping
     strategy_cls = registry.component(recipe.strategy)
     precision = Precision(recipe.precision, device, recipe.trainer.loss_scale,
                           scaler=not strategy_cls.owns_loss_scaling)  # DeepSpeed scales the loss itself
     strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe)
+    model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
+    model = prepare_model(model, recipe.performance)  # SyncBatchNorm, channels_last: before wrapping
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
@@ -246,6 +247,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     if summary["checkpoint"] is None and source is not None:
         summary["checkpoint"] = str(source)
     summary["resumed_from"] = str(source) if source else None
+    summary["model_init"] = init  # constructor or seeded (model.init)
     digests = strategy.replica_digests(model)
     summary["replicas_identical"] = strategy.replicas_agree(digests)  # None: no replicas (pipeline)
     summary["replica_digests"] = digests

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.materialize import materialize, parameters_on_meta
+
 
 def hash_tensor(h, name: str, t: torch.Tensor) -> None:
     """Add a named tensor's exact bytes (as this process holds them) to a hash."""
@@ -77,6 +79,22 @@ class Strategy:
         return self.world_size
 
     # ---- build
+    @classmethod
+    def shards_parameters(cls, options) -> bool:
+        """Each rank keeps only part of every parameter: `model.init: auto` then builds the model
+        on the meta device (runtime.materialize) instead of whole on every rank."""
+        return False
+
+    def empty_init(self) -> ContextManager:
+        """Where a seeded model is built: parameters on the meta device, no memory."""
+        return parameters_on_meta()
+
+    def materialize(self, model: nn.Module, seed: int) -> nn.Module:
+        """Give a model built in `empty_init` its values before `setup`. Plain strategies keep every
+        parameter, so the whole model is filled here (on the CPU; `setup` moves it as usual);
+        sharding strategies fill only their shards, after sharding, and override this."""
+        return materialize(model, seed)
+
     def setup(self, model: nn.Module, optimizer_factory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the model for this strategy and build the optimizer over the wrapped parameters."""
         raise NotImplementedError

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..recipe.blocks import DeepSpeedOptions
 from ..runtime.files import fsync_save
+from ..runtime.materialize import check_seedable, owners, seeded_values
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy
 
@@ -79,6 +80,32 @@ class DeepSpeedStrategy(Strategy):
     reshards_on_load = False  # ZeRO partitions are per rank (DeepSpeed's universal checkpoint is not used)
     options: DeepSpeedOptions
     owns_loss_scaling = True  # ds_config's fp16.loss_scale (0: dynamic, else fixed); no torch GradScaler
+
+    @classmethod
+    def shards_parameters(cls, options) -> bool:
+        return options.zero_stage == 3
+
+    def empty_init(self):
+        """ZeRO-3: DeepSpeed's own `zero.Init` partitions each module's parameters as soon as the
+        module is built, so no rank ever holds the whole model."""
+        if self.options.zero_stage != 3:
+            return super().empty_init()
+        return _import_deepspeed().zero.Init(config_dict_or_path=ds_config_for(self.recipe))
+
+    def materialize(self, model: nn.Module, seed: int) -> nn.Module:
+        """ZeRO-3: one module at a time, gather its partitioned parameters, set their seeded values
+        (every rank computes the same; rank 0's are kept) and let DeepSpeed re-partition them."""
+        if self.options.zero_stage != 3:
+            return super().materialize(model, seed)
+        deepspeed = _import_deepspeed()
+        check_seedable(model)
+        for name, module in owners(model):
+            values = seeded_values(module, name, seed, full_shape=lambda p: p.ds_shape)
+            own = [module._parameters[pname] for pname in values]
+            with deepspeed.zero.GatheredParameters(own, modifier_rank=0), torch.no_grad():
+                for pname, value in values.items():
+                    module._parameters[pname].copy_(value)
+        return model
 
     def setup(self, model: nn.Module, optimizer_factory):
         deepspeed = _import_deepspeed()

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..recipe.blocks import FSDPOptions
 from ..recipe.blocks import ActivationCheckpointingOptions, PerformanceOptions
+from ..runtime.materialize import check_seedable, has_meta_parameters, owners, seeded_values
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
 from .base import Strategy, hash_tensor
@@ -80,19 +81,67 @@ def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str
     return model
 
 
+def fill_shards(model: nn.Module, seed: int, device: torch.device) -> None:
+    """After `fully_shard` on a model built on the meta device: allocate this rank's shards
+    (`to_empty`, as torchtitan does) and fill each from its parameter's seeded full value. Every rank
+    computes the same full value of one module at a time and keeps its own slice of it
+    (`distribute_tensor(src_data_rank=None)`: no communication), so the shards are exactly the
+    unsharded init, whatever the world size."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = {name: b.to(device) for name, b in model.named_buffers()}  # real: to_empty would lose them
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+        for name, module in owners(model):
+            for pname, full in seeded_values(module, name, seed).items():
+                param = module._parameters[pname]
+                if isinstance(param, DTensor):
+                    mine = distribute_tensor(full.to(device), param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(mine.to_local())
+                else:
+                    param.copy_(full)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)
+
+
 class FSDPStrategy(Strategy):
     options: FSDPOptions
+    _seed: Optional[int] = None  # set by materialize(): the shards are filled in setup, after sharding
+
+    @classmethod
+    def shards_parameters(cls, options) -> bool:
+        return True
+
+    def materialize(self, model: nn.Module, seed: int) -> nn.Module:
+        check_seedable(model)
+        self._seed = seed
+        return model
 
     def setup(self, model: nn.Module, optimizer_factory):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp_shard",))
-        if not self.options.cpu_offload:
+        home = torch.device("cpu") if self.options.cpu_offload else self.device  # where the shards live
+        seeded = has_meta_parameters(model)
+        if seeded:
+            if self._seed is None:
+                raise RuntimeError("a model on the meta device reached FSDP setup without materialize(model, seed)")
+            _move_buffers(model, home)
+        elif not self.options.cpu_offload:
             model = model.to(self.device)
         if self.options.activation_checkpointing and self.rank == 0:
             print("trainkit: strategy.activation_checkpointing is deprecated: use performance.activation_checkpointing: "
                   "full", flush=True)
         apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32", self.performance)
+        if seeded:
+            fill_shards(model, self._seed, home)
         return model, optimizer_factory(model.parameters())
 
     def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
