@@ -11,7 +11,9 @@ optimizer_step calls the training loop makes. Per rank it reports:
   shards; ZeRO-3: its partition), the optimizer's parameter copies and its state (AdamW moments),
   measured after a step. Gradients and communication buffers are transient and not included.
 - peak RSS (CPU; ru_maxrss) or torch.cuda.max_memory_allocated (GPU). RSS includes the Python +
-  torch runtime (~0.3-0.5 GB) and the full model every rank builds before sharding.
+  torch runtime (~0.3-0.5 GB). The model is built as the training worker builds it
+  (`build_initial_model`): FSDP and ZeRO-3 seeded by default (no rank holds the whole model), and
+  once more with `model.init: constructor` (every rank builds it whole first) to show the difference.
 - step time: median of the measured steps (after one warm-up step), 2 ranks x batch 8.
 
 Pipeline: 2 stages (balanced by parameters), global batch 16 in 4 micro-batches. The ideal step of
@@ -32,11 +34,13 @@ import time
 from pathlib import Path
 
 MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": 7}}
-CONFIGS = {
+CONFIGS = {  # "init": model.init (default auto: seeded for FSDP and ZeRO-3, constructor otherwise)
     "ddp": {"name": "ddp"},
     "fsdp": {"name": "fsdp"},
+    "fsdp-constructor": {"name": "fsdp", "init": "constructor"},
     "zero2": {"name": "deepspeed", "zero_stage": 2},
     "zero3": {"name": "deepspeed", "zero_stage": 3},
+    "zero3-constructor": {"name": "deepspeed", "zero_stage": 3, "init": "constructor"},
     "pipeline-gpipe": {"name": "pipeline", "schedule": "gpipe", "microbatches": 4},
     "pipeline-1f1b": {"name": "pipeline", "schedule": "1f1b", "microbatches": 4},
 }
@@ -47,8 +51,10 @@ def write_recipe(folder: Path, label: str, strategy: dict) -> Path:
     import yaml
 
     pipeline = strategy["name"] == "pipeline"
+    strategy = dict(strategy)
+    init = strategy.pop("init", "auto")
     recipe = {
-        "name": f"bench-{label}", "seed": 0, "model": MODEL,
+        "name": f"bench-{label}", "seed": 0, "model": {**MODEL, "init": init},
         "data": {"name": "synthetic", "batch_size": BATCH_PER_RANK * (2 if pipeline else 1), "num_samples": 64,
                  "shape": [1024], "num_classes": 10},
         "strategy": strategy, "precision": "fp32",
@@ -97,7 +103,7 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
 
     from trainkit import registry
     from trainkit.recipe import resolve
-    from trainkit.runtime.model import build_model
+    from trainkit.runtime.model import build_initial_model
     from trainkit.runtime.optim import build_optimizer
     from trainkit.runtime.precision import Precision
 
@@ -109,10 +115,10 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = build_model(recipe.model)
-    n_params = sum(p.numel() for p in model.parameters())
     precision = Precision(recipe.precision, device)
     strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision, recipe=recipe)
+    model, init = build_initial_model(recipe.model, strategy, recipe.seed)  # what the training worker does
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: partitioned
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     loss_fn = torch.nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(1 + strategy.data_parallel_rank)
@@ -134,7 +140,7 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
         if i:  # the first step allocates optimizer state and warms up
             times.append(t2 - t0)
             opt_times.append(t2 - t1)
-    result = {"rank": rank, "params": n_params, "state_bytes": state_bytes(strategy, model, optimizer),
+    result = {"rank": rank, "params": n_params, "init": init, "state_bytes": state_bytes(strategy, model, optimizer),
               "step_s": statistics.median(times), "optimizer_s": statistics.median(opt_times),
               "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda
               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -200,13 +206,13 @@ def table(results: dict[str, list[dict]]) -> str:
     ddp_peak = max(r["peak_bytes"] for r in ddp)
     ddp_step = max(r["step_s"] for r in ddp)
     kind = ddp[0]["peak_kind"]
-    lines = [f"| strategy | model+optimizer state / rank (GiB) | vs DDP | {kind} / rank (GiB) | vs DDP | "
-             f"step time (s) | vs DDP |", "|---|---|---|---|---|---|---|"]
-    for label in ("ddp", "fsdp", "zero2", "zero3"):
+    lines = [f"| strategy | model.init | model+optimizer state / rank (GiB) | vs DDP | {kind} / rank (GiB) | vs DDP | "
+             f"step time (s) | vs DDP |", "|---|---|---|---|---|---|---|---|"]
+    for label in ("ddp", "fsdp", "fsdp-constructor", "zero2", "zero3", "zero3-constructor"):
         rs = results[label]
         state, peak, step = (max(r[k] for r in rs) for k in ("state_bytes", "peak_bytes", "step_s"))
         per_rank = ", ".join(f"{r['state_bytes'] / gb:.2f}" for r in rs)
-        lines.append(f"| {label} | {state / gb:.2f} ({per_rank}) | "
+        lines.append(f"| {label} | {rs[0]['init']} | {state / gb:.2f} ({per_rank}) | "
                      f"{state / ddp_state:.2f}x | {peak / gb:.2f} | {peak / ddp_peak:.2f}x | {step:.2f} | "
                      f"{step / ddp_step:.2f}x |")
     lines += ["", "| pipeline schedule | measured step (s) | slowest stage fwd+bwd / micro-batch (s) | "

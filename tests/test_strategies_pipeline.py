@@ -159,3 +159,26 @@ def test_pipeline_evaluation_matches_the_one_process_evaluation(tmp_path):
     ours, ref = eval_rows(pipe), eval_rows(one)
     assert len(ours) == 2 and [r["eval_accuracy"] for r in ours] == [r["eval_accuracy"] for r in ref]
     assert [r["eval_loss"] for r in ours] == pytest.approx([r["eval_loss"] for r in ref], rel=RTOL)
+
+
+def test_pipeline_times_data_parallel_on_4_processes_follows_the_one_process_trajectory(single, tmp_path):
+    """2-D: 2 pipelines of 2 stages (data_parallel: 2, 4 processes), batch 8 per pipeline, so the
+    global batch is the one-process 16. Guards, at once: each pipeline reads its own half of the
+    data (the same half twice would not follow batch 16), each stage's gradients are averaged over
+    the two pipelines (DDP over the "dp" group; without it the replicas drift apart and so does the
+    loss), one copy of each stage is written, and evaluation sums over the pipelines, not the ranks."""
+    evals = {"eval_every": 10, "eval_steps": 2}
+    path = recipe(tmp_path, "pp2dp2", {"name": "pipeline", "schedule": "1f1b", "microbatches": 2,
+                                       "split_points": ["4"], "data_parallel": 2},
+                  data={"batch_size": 8}, launch={"nproc_per_node": 4}, trainer=evals)
+    run_dir = run(tmp_path, path)
+    assert losses(run_dir) == pytest.approx(single, rel=RTOL)
+    result = summary(run_dir)
+    assert result["replicas_identical"] is True and len(set(result["replica_digests"])) == 2  # 2 stages x 2 copies
+    ckpt = run_dir / "checkpoints" / "step-00000020"
+    assert sorted(p.name for p in ckpt.glob("pipeline-stage-*")) == ["pipeline-stage-000.pt", "pipeline-stage-001.pt"]
+    one = run(tmp_path, recipe(tmp_path, "one", {"name": "ddp"}, data={"batch_size": 16},
+                               launch={"nproc_per_node": 1}, trainer=evals))
+    ours, ref = eval_rows(run_dir), eval_rows(one)
+    assert len(ours) == 2 and [r["eval_accuracy"] for r in ours] == [r["eval_accuracy"] for r in ref]
+    assert [r["eval_loss"] for r in ours] == pytest.approx([r["eval_loss"] for r in ref], rel=RTOL)

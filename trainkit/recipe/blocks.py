@@ -174,6 +174,9 @@ class PipelineOptions(StrategyOptions):
     split_points: list[str] = Field(
         default_factory=list, description="module names where a new stage begins (empty: balance by parameters)"
     )
+    data_parallel: PositiveInt = Field(
+        default=1, description="replicas of the whole pipeline, each reading its own share of the data (2-D: "
+                               "world size = data_parallel x ranks per pipeline; gradients all-reduced per stage)")
 
 
 class DeepSpeedOptions(StrategyOptions):

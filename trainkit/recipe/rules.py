@@ -59,16 +59,25 @@ def pipeline_batch_splits_into_microbatches(r: Recipe) -> Iterator[Finding]:
         yield ("strategy", "microbatches"), (
             f"global batch {gb} (batch_size x data-parallel size x grad_accum_steps) is not divisible by "
             f"{s.microbatches} microbatches")
-    if s.schedule == "interleaved_1f1b" and r.world_size is not None and s.split_points \
-            and (len(s.split_points) + 1) % r.world_size:
+    ws = r.world_size
+    if ws is not None and ws % s.data_parallel:
+        yield ("strategy", "data_parallel"), (
+            f"data_parallel {s.data_parallel} does not divide the world size {ws}: each of the {s.data_parallel} "
+            f"pipeline replicas needs the same number of ranks")
+        return
+    ranks = None if ws is None else ws // s.data_parallel  # ranks per pipeline
+    per = f" (world size {ws} / data_parallel {s.data_parallel})" if s.data_parallel > 1 else " (the world size)"
+    if s.schedule == "interleaved_1f1b" and ranks is not None and s.split_points \
+            and (len(s.split_points) + 1) % ranks:
         yield ("strategy", "split_points"), (
             f"interleaved_1f1b places several stages on each rank: {len(s.split_points) + 1} stages "
-            f"do not divide evenly over world size {r.world_size}")
-    if r.world_size is not None and s.split_points and s.schedule != "interleaved_1f1b" \
-            and len(s.split_points) + 1 != r.world_size:
+            f"do not divide evenly over {ranks} ranks per pipeline{per}")
+    if ranks is not None and s.split_points and s.schedule != "interleaved_1f1b" \
+            and len(s.split_points) + 1 != ranks:
         yield ("strategy", "split_points"), (
-            f"{len(s.split_points)} split points make {len(s.split_points) + 1} stages, but the world size is "
-            f"{r.world_size} (one stage per rank); use {r.world_size - 1} split points or change launch.nproc_per_node")
+            f"{len(s.split_points)} split points make {len(s.split_points) + 1} stages, but a pipeline has "
+            f"{ranks} ranks{per}, one stage per rank; use {ranks - 1} split points or change "
+            f"launch.nproc_per_node")
 
 
 @rule

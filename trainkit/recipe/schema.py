@@ -67,7 +67,7 @@ class Recipe(Block):
         ws = self.world_size
         if ws is None:
             return None
-        return 1 if self.strategy.name == "pipeline" else ws
+        return self.strategy.data_parallel if self.strategy.name == "pipeline" else ws
 
     @property
     def global_batch(self) -> Optional[int]:

@@ -13,8 +13,14 @@ Two ways to cut a model:
 Either way a stage keeps the original parameter names -- checkpoints and `trainkit export` use the
 unpipelined model's keys.
 
-Every rank reads the same batch (data-parallel size 1); the first stage consumes the inputs, the
+Within one pipeline every rank reads the same batch; the first stage consumes the inputs, the
 last stage the labels, and the loss it computes is broadcast so every rank reports it.
+
+Pipeline x data parallel (`data_parallel: D`, 2-D): the ranks form a ("pp", "dp") device mesh of
+(world / D) x D, torchtitan's order (data-parallel peers are neighbouring ranks, on one node where
+possible; a pipeline spans the mesh's outer dimension). Each of the D pipelines reads its own share of
+the data; before each optimizer step every stage's gradients are averaged over its "dp" group (one
+coalesced all-reduce per step, see `_average_gradients_over_pipelines`).
 """
 
 from __future__ import annotations
@@ -240,25 +246,77 @@ class PipelineStrategy(Strategy):
     splits_model = True
     options: PipelineOptions
 
+    pp_group = dp_group = None  # None: the world (one pipeline); set by setup() for data_parallel > 1
+
     @property
     def data_parallel_rank(self) -> int:
-        return 0
+        return self.rank % self.options.data_parallel  # the mesh's inner "dp" coordinate
 
     @property
     def data_parallel_size(self) -> int:
-        return 1
+        return self.options.data_parallel
+
+    @property
+    def pipeline_rank(self) -> int:
+        """This rank's place in its pipeline (the mesh's outer "pp" coordinate)."""
+        return self.rank // self.options.data_parallel
+
+    @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline."""
+        return self.world_size // self.options.data_parallel
+
+    def _global_rank(self, pipeline_rank: int) -> int:
+        """The global rank holding place `pipeline_rank` of this rank's pipeline."""
+        return pipeline_rank * self.options.data_parallel + self.data_parallel_rank
+
+    def _mesh_groups(self) -> None:
+        if self.options.data_parallel == 1:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.world_size % self.options.data_parallel:
+            raise SplitError(f"data_parallel {self.options.data_parallel} does not divide the world size {self.world_size}")
+        mesh = init_device_mesh(self.device.type, (self.pipeline_size, self.options.data_parallel),
+                                mesh_dim_names=("pp", "dp"))
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+
+    def _average_gradients_over_pipelines(self) -> None:
+        """The mean of each stage's accumulated gradients over its data-parallel peers: one coalesced
+        all-reduce over the "dp" group per optimizer step.
+
+        Hand-written, not DDP around each stage: `PipelineStage` can drive a DDP-wrapped stage, but
+        in torch 2.14 DDP's reducer fails its bucket rebuild after the first step when a schedule runs
+        several backward passes in one step ("rebuilt parameter indices size is not same as original
+        model parameters size", seen here with 1F1B). The arithmetic is DDP's: sum, then / peers."""
+        if self.dp_group is None:
+            return
+        grads = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.options.data_parallel
+        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(synced)
+
+    def optimizer_step(self, model, optimizer, precision, max_norm):
+        self._average_gradients_over_pipelines()
+        return super().optimizer_step(model, optimizer, precision, max_norm)
 
     def setup(self, model: nn.Module, optimizer_factory):
         from torch.distributed.pipelining import PipelineStage
 
         perf = self.performance
+        self._mesh_groups()
         ac_names = checkpointed_names(model, perf.checkpointing)
+        stage = lambda m, i: PipelineStage(m, i, self.num_stages, self.device, group=self.pp_group)  # noqa: E731
         if is_sequential(model):
-            plan = plan_stages(model, self.options, self.world_size)
+            plan = plan_stages(model, self.options, self.pipeline_size)
             self.num_stages = len(plan)
-            self.stage_ids = stages_of_rank(self.rank, self.num_stages, self.world_size)
+            self.stage_ids = stages_of_rank(self.pipeline_rank, self.num_stages, self.pipeline_size)
             self.modules = [StageModule(plan[i]).to(self.device) for i in self.stage_ids]
-            build = lambda m, i: PipelineStage(m, i, self.num_stages, self.device)  # noqa: E731
+            build = stage
             lookup = lambda m: dict(zip(m.names, m.blocks))  # noqa: E731
         else:
             from torch.distributed.pipelining import SplitPoint, pipeline
@@ -266,9 +324,9 @@ class PipelineStrategy(Strategy):
             pipe = pipeline(model, mb_args=(example_inputs(self.recipe, self.options.microbatches),),
                             split_spec={p: SplitPoint.BEGINNING for p in self.options.split_points})
             self.num_stages = pipe.num_stages
-            self.stage_ids = stages_of_rank(self.rank, self.num_stages, self.world_size)
+            self.stage_ids = stages_of_rank(self.pipeline_rank, self.num_stages, self.pipeline_size)
             self.modules = [TracedStage(pipe.get_stage_module(i)) for i in self.stage_ids]
-            build = lambda m, i: pipe.build_stage(i, self.device)  # noqa: E731
+            build = lambda m, i: pipe.build_stage(i, self.device, group=self.pp_group)  # noqa: E731
             lookup = lambda m: dict(m.module.named_modules())  # noqa: E731
         for m in self.modules:
             if ac_names:
@@ -300,13 +358,14 @@ class PipelineStrategy(Strategy):
         with the work it does, not the whole model's). `model` is the unsplit model, e.g. on meta."""
         if not is_sequential(model):
             return None  # traced stages: counted as the whole model (not split on the meta device)
-        plan = plan_stages(model, self.options, self.world_size)
+        plan = plan_stages(model, self.options, self.pipeline_size)
         per_stage = stage_flops([StageModule(blocks) for blocks in plan], x)
-        return sum(per_stage[i] for i in stages_of_rank(self.rank, len(plan), self.world_size))
+        return sum(per_stage[i] for i in stages_of_rank(self.pipeline_rank, len(plan), self.pipeline_size))
 
     @property
     def last_stage_rank(self) -> int:
-        return (self.num_stages - 1) % self.world_size
+        """Global rank of the last stage of this rank's pipeline."""
+        return self._global_rank((self.num_stages - 1) % self.pipeline_size)
 
     def _build_schedule(self, loss_fn, grad_accum_steps: int):
         from torch.distributed.pipelining import schedules
@@ -335,21 +394,27 @@ class PipelineStrategy(Strategy):
         with precision.autocast():
             self.schedule.step(*args, **kwargs)
         loss = torch.stack([l.detach().float() for l in losses]).sum() if last else torch.zeros((), device=self.device)
-        if self.world_size > 1:
-            dist.broadcast(loss, src=self.last_stage_rank)
+        if self.pipeline_size > 1:
+            dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)
         return loss
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss.detach().clone().float()  # already the whole batch's loss on every rank
+        """Every rank holds its pipeline's batch loss; with data_parallel > 1, the mean over pipelines."""
+        loss = loss.detach().clone().float()
+        if self.dp_group is not None:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= self.options.data_parallel
+        return loss
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """The norm over all stages: each rank's squared sum, all-reduced."""
+        """The norm over all stages: each rank's squared sum, all-reduced along its pipeline (the
+        data-parallel replicas of a stage hold the same, already averaged, gradients)."""
         params = [p for p in model.parameters() if p.grad is not None]
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for p in params:
             sq += p.grad.detach().float().pow(2).sum()
-        if self.world_size > 1:
-            dist.all_reduce(sq)
+        if self.pipeline_size > 1:
+            dist.all_reduce(sq, group=self.pp_group)
         total = sq.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
@@ -370,18 +435,21 @@ class PipelineStrategy(Strategy):
             out = self.schedule.eval(*((x,) if first else ()), **kwargs)
         if last:
             out = out[:n]
-        if self.world_size == 1:
+        if self.pipeline_size == 1:
             return out
         shape = torch.tensor(list(out.shape) if last else [0, 0], device=self.device, dtype=torch.long)
-        dist.broadcast(shape, src=self.last_stage_rank)
+        dist.broadcast(shape, src=self.last_stage_rank, group=self.pp_group)
         logits = out.detach().float().contiguous() if last else torch.empty(shape.tolist(), device=self.device)
-        dist.broadcast(logits, src=self.last_stage_rank)
+        dist.broadcast(logits, src=self.last_stage_rank, group=self.pp_group)
         return logits
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Every rank reads the same batches (data-parallel size 1) and holds the same evaluation
-        logits: the job's sum is any one rank's value, not the sum over ranks."""
-        return value.detach().clone()
+        """The ranks of one pipeline read the same batches and hold the same evaluation logits: the
+        job's sum is the sum over the pipelines (data-parallel peers), not over all ranks."""
+        value = value.detach().clone()
+        if self.dp_group is not None:
+            dist.all_reduce(value, group=self.dp_group)
+        return value
 
     def replica_digests(self, model: nn.Module) -> list[str]:
         """Each rank's digest of the stages it owns (stage index, names and bytes). Every stage has
@@ -395,12 +463,19 @@ class PipelineStrategy(Strategy):
                 hash_tensor(h, f"{stage_id}:{k}", v)
         return self.gather_digests(h.hexdigest())
 
-    def replicas_agree(self, digests: list[str]) -> None:
-        """No replicas: pipeline stages are not copies of each other."""
-        return None
+    def replicas_agree(self, digests: list[str]):
+        """Stages are not copies of each other; with data_parallel > 1 the ranks at the same place
+        of each pipeline are (same stages, same weights), and their digests must match."""
+        d = self.options.data_parallel
+        if d == 1:
+            return None
+        places = [digests[p * d:(p + 1) * d] for p in range(len(digests) // d)]  # global rank = p * d + dp
+        return all(len(set(peers)) == 1 for peers in places)
 
     # ---- checkpoints: one file per stage (its blocks and its optimizer state), written by its rank
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.data_parallel_rank != 0:  # replicas of the first pipeline's stages: one copy is written
+            return
         full = optimizer.state_dict()
         for stage_id, m in zip(self.stage_ids, self.modules):
             g = self.groups_of_stage.get(stage_id)
@@ -458,9 +533,11 @@ class PipelineStrategy(Strategy):
             for i, message in traced_split_problems(model, o.split_points):
                 yield ("strategy", "split_points") + ((i,) if i >= 0 else ()), message, "error"
             ws = recipe.world_size
-            if ws is not None and o.split_points and len(o.split_points) + 1 > ws \
+            ranks = None if ws is None else ws // o.data_parallel
+            if ranks is not None and o.split_points and len(o.split_points) + 1 > ranks \
                     and o.schedule != "interleaved_1f1b":
-                yield ("strategy", "split_points"), f"{len(o.split_points) + 1} stages but only {ws} ranks", "error"
+                yield ("strategy", "split_points"), (f"{len(o.split_points) + 1} stages but only {ranks} ranks per "
+                                                     f"pipeline"), "error"
             return
         blocks = flatten_blocks(model)
         names = [n for n, _ in blocks]
@@ -475,9 +552,9 @@ class PipelineStrategy(Strategy):
             except SplitError as exc:
                 if "not a module" not in str(exc):
                     yield ("strategy", "split_points"), str(exc), "error"
-        ws = recipe.world_size
-        if ws is None:
-            return
+        if recipe.world_size is None or recipe.world_size % o.data_parallel:
+            return  # the rules report a data_parallel that does not divide the world size
+        ws = recipe.world_size // o.data_parallel  # ranks per pipeline
         stages = stage_count(o, ws)
         if len(blocks) < stages:
             yield ("strategy", "split_points"), f"{stages} stages need at least {stages} blocks; " \
