@@ -133,6 +133,20 @@ def eval_rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k.startswith("eval")} for r in rows if "eval_loss" in r]
 
 
+def test_resnet18_pipeline_recipe_trains_end_to_end(tmp_path):
+    """recipes/pipeline-resnet18.yaml as a user runs it (fewer steps): 2 traced stages on 2
+    processes, a checkpoint whose stage files hold the plain model's names."""
+    result = trainkit(tmp_path, "run", str(RECIPES / "pipeline-resnet18.yaml"), "trainer.max_steps=6",
+                      "trainer.log_every=1", "trainer.checkpoint.every=6", f"launch.run_dir={tmp_path / 'runs'}",
+                      "tracking.enabled=false", "scheduler.warmup_steps=1")
+    assert result.returncode == 0, result.output[-6000:]
+    run_dir = tmp_path / "runs" / "pipeline-resnet18"
+    s = summary(run_dir)
+    assert s["steps"] == 6 and s["world_size"] == 2 and s["global_batch"] == 16
+    stage0 = torch.load(run_dir / "checkpoints" / "step-00000006" / "pipeline-stage-000.pt", weights_only=False)
+    assert "conv1.weight" in stage0["model"] and "layer3.0.conv1.weight" not in stage0["model"]
+
+
 def test_resnet18_pipeline_bad_split_points_are_refused_with_a_suggestion(tmp_path):
     path = resnet_recipe(tmp_path, "bad", {"name": "pipeline", "microbatches": 4, "split_points": ["layer33"]})
     result = trainkit(tmp_path, "validate", "--deep", str(path))
