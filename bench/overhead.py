@@ -3,11 +3,15 @@
     python bench/overhead.py framework   # trainkit run vs a plain hand-written torchrun DDP script
     python bench/overhead.py tracking    # MLflow tracking off vs SQLite vs a real `mlflow server`
     python bench/overhead.py monitors    # no monitors vs all built-in monitors except the profiler
+    python bench/overhead.py framework --compile   # both sides compiled: DDP(torch.compile(m)) / performance.compile
+    python bench/overhead.py compile     # trainkit, a conv model (small_cnn): eager vs performance.compile
 
 Each configuration trains the same MLP on the same synthetic data for --steps steps, --repeats times,
 alternating configurations so machine noise hits them alike. Reported per configuration: the median
 steady-state seconds per step (wall time from step --warmup to the last step, divided by the steps)
-and the time from the command to the first finished step; then ratios against the first one.
+and the time from the command to the first finished step; then ratios against the first one: the
+ratio of the medians, and the median (min-max) of the per-repeat ratios (each repeat runs every
+configuration back to back, so a pair shares the machine's state).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 PLAIN = Path(__file__).resolve().parent / "plain_ddp.py"
 MODEL = {"in_features": 3072, "hidden": 2048, "depth": 3, "num_classes": 10}
 BATCH = 32
+
+
+CONV = {"name": "small_cnn", "args": {"num_classes": 10, "width": 32}}
 
 
 def recipe(folder: Path, name: str, steps: int, log_every: int, **extra) -> Path:
@@ -68,12 +75,13 @@ def run_trainkit(folder: Path, path: Path, name: str, warmup: int, env: dict) ->
     return (by_step[last] - by_step[first]) / (last - first), summary["first_step_at"] - start
 
 
-def run_plain(folder: Path, steps: int, warmup: int, log_every: int, env: dict) -> tuple[float, float]:
+def run_plain(folder: Path, steps: int, warmup: int, log_every: int, env: dict,
+              compiled: bool = False) -> tuple[float, float]:
     out = folder / "plain.json"
     start = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(PLAIN),
            "--steps", str(steps), "--batch", str(BATCH), "--log-every", str(log_every), "--out", str(out),
-           "--model", json.dumps(MODEL)]
+           "--model", json.dumps(MODEL)] + (["--compile"] if compiled else [])
     res = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         sys.exit(f"plain script failed:\n{res.stdout}\n{res.stderr}")
@@ -103,7 +111,8 @@ def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("compare", choices=["framework", "tracking", "monitors"])
+    parser.add_argument("compare", choices=["framework", "tracking", "monitors", "compile"])
+    parser.add_argument("--compile", action="store_true", help="framework: both sides compiled")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--log-every", type=int, default=10)
@@ -120,8 +129,14 @@ def main() -> None:
         return lambda: run_trainkit(folder, path, name, args.warmup, env)
 
     if args.compare == "framework":
-        configs = {"plain torchrun DDP script": lambda: run_plain(folder, steps, args.warmup, le, env),
-                   "trainkit run": tk("framework")}
+        c = args.compile
+        configs = {f"plain torchrun DDP script{' (compiled)' if c else ''}":
+                   lambda: run_plain(folder, steps, args.warmup, le, env, compiled=c),
+                   f"trainkit run{' (performance.compile)' if c else ''}":
+                   tk("framework", **({"performance": {"compile": True}} if c else {}))}
+    elif args.compare == "compile":
+        configs = {"small_cnn eager": tk("eager", model=CONV),
+                   "small_cnn performance.compile": tk("compiled", model=CONV, performance={"compile": True})}
     elif args.compare == "tracking":
         server, uri = start_server(folder)
         configs = {"tracking off": tk("off"),
@@ -143,11 +158,15 @@ def main() -> None:
     base_first = statistics.median(f for _, f in results[next(iter(results))])
     print(f"{args.compare}: {steps} steps, steady state from step {args.warmup}, log_every {le}, "
           f"{args.repeats} alternating repeats, 2 processes (gloo, CPU), MLP {MODEL}, batch {BATCH}/rank")
-    print(f"{'configuration':<52} {'s/step (median)':>16} {'ratio':>7} {'to 1st step s':>14} {'ratio':>7}")
+    print(f"{'configuration':<52} {'s/step (median)':>16} {'ratio':>7} {'per-repeat ratio: median (min-max)':>36} "
+          f"{'to 1st step s':>14} {'ratio':>7}")
+    base_values = results[next(iter(results))]
     for name, values in results.items():
         step = statistics.median(s for s, _ in values)
         first = statistics.median(f for _, f in values)
-        print(f"{name:<52} {step:>16.4f} {step / base:>7.3f} {first:>14.2f} {first / base_first:>7.2f}")
+        pairs = [s / b for (s, _), (b, _) in zip(values, base_values)]
+        spread = f"{statistics.median(pairs):.3f} ({min(pairs):.3f}-{max(pairs):.3f})"
+        print(f"{name:<52} {step:>16.4f} {step / base:>7.3f} {spread:>36} {first:>14.2f} {first / base_first:>7.2f}")
 
 
 if __name__ == "__main__":

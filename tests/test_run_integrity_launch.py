@@ -156,7 +156,9 @@ def test_a_rerun_closes_the_run_a_dead_launch_left_running(tmp_path):
 # --------------------------------------------------------------------------- one launch per run dir
 def test_a_second_launch_of_the_same_run_dir_exits_2_at_once_naming_the_holder(tmp_path, launches):
     """Guards issue 10's double launch (two worker groups in one folder, one crashing in the other's
-    checkpoint temp folder): the second `trainkit run` exits 2 within 5 s and names the holder's
+    checkpoint temp folder): the second `trainkit run` exits 2 at once (its start-up only: under
+    10 s on 2 cores busy with the first launch's workers; waiting on the lock would take the
+    holder's whole run or the 60 s staleness limit) and names the holder's
     host, pid and start, and how to proceed; the first one is undisturbed and keeps its lock's
     heartbeat fresh."""
     recipe = mlp_recipe(tmp_path, "twice", trainer={"max_steps": 400})
@@ -167,7 +169,7 @@ def test_a_second_launch_of_the_same_run_dir_exits_2_at_once_naming_the_holder(t
     second = trainkit(tmp_path, "run", str(recipe), timeout=30)
     took = time.monotonic() - started
     assert second.returncode == 2, second.output
-    assert took < 5.0, f"refused after {took:.1f}s"
+    assert took < 10.0, f"refused after {took:.1f}s"
     assert f"pid {first.pid}" in second.stderr and f"host {socket.gethostname()}" in second.stderr
     assert "since" in second.stderr and "launch.run_dir=" in second.stderr and "name=" in second.stderr
     assert first.poll() is None and workers_of(run_dir)  # still training

@@ -56,17 +56,34 @@ def test_a_data_bound_recipe_gets_workers_and_the_tuned_recipe_is_faster(tmp_pat
 
 
 def test_a_healthy_recipe_gets_no_false_improvement_and_foreign_knobs_are_skipped(tmp_path):
+    """gradient_as_bucket_view applies to this DDP recipe but saves one copy of 4 KiB of gradients:
+    nothing a 12-step trial can see. Under the 5-pair rule it must not be "proven" (it once was under
+    the 3-pair rule, by noise); the FSDP/DeepSpeed knobs are listed and skipped."""
     recipe = mlp_recipe(tmp_path, "healthy", **FAST)
-    # only knobs that do not apply: a full-suite run once "proved" gradient_as_bucket_view on this healthy
-    # recipe under CPU load (12-step trials are too noisy for the rule); see issue 18's note
-    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "zero_stage,reshard_after_forward",
-                 "--steps", "12", "--budget", "3")
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "gradient_as_bucket_view,zero_stage,reshard_after_forward",
+                 "--steps", "12", "--budget", "4")
     assert r.returncode == 0, r.output
     assert "skipped zero_stage: only for strategy deepspeed (this recipe: ddp)" in r.stdout
     assert "skipped reshard_after_forward: only for strategy fsdp" in r.stdout
-    assert "Result: **no change**" in r.stdout
+    assert "| gradient_as_bucket_view=True |" in r.stdout
+    assert "Result: **no change**" in r.stdout, r.stdout
     assert not (tmp_path / "healthy.tuned.yaml").exists()
     assert (tmp_path / "healthy.tuned.report.md").is_file()
+
+
+def test_tiny_gradient_buckets_are_raised_and_the_gain_is_proven(tmp_path):
+    """A wide model (2.1 M parameters, 8 MiB of gradients) with bucket_cap_mb 0.05: DDP all-reduces
+    ~170 buckets per step. Tune tries 25 MB, keeps it only with a proven gain, and writes it with the
+    measured gain beside it."""
+    recipe = mlp_recipe(tmp_path, "buckets", strategy={"name": "ddp", "bucket_cap_mb": 0.05},
+                        model={"name": "mlp", "args": {"in_features": 48, "hidden": 1024, "depth": 3, "num_classes": 4}},
+                        **FAST)
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "bucket_cap_mb", "--steps", "12", "--budget", "3")
+    assert r.returncode == 0, r.output
+    assert "| bucket_cap_mb=25.0 |" in r.stdout and "kept" in r.stdout, r.stdout
+    text = (tmp_path / "buckets.tuned.yaml").read_text()
+    assert "# tune: was 0.05; bucket_cap_mb=25.0: +" in text, text
+    assert yaml.safe_load(text)["strategy"]["bucket_cap_mb"] == 25.0
 
 
 def test_the_budget_holds_and_trials_are_child_runs_of_one_mlflow_run(tmp_path):
@@ -109,10 +126,13 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path):
 
 
 def test_the_decision_rule_needs_a_gain_above_the_interval_and_the_noise():
-    assert tune_stats.judge([1.5, 1.6, 1.55], 0.02, final=False).decision == tune_stats.KEEP
-    assert tune_stats.judge([1.05, 1.06, 1.04], 0.05, final=True).decision == tune_stats.NOT_SIGNIFICANT  # < 3x noise
-    assert tune_stats.judge([0.8, 0.82, 0.79], 0.02, final=False).decision == tune_stats.SLOWER
-    assert tune_stats.judge([1.2, 0.9, 1.1], 0.02, final=False).decision == tune_stats.UNDECIDED
-    assert tune_stats.judge([1.5, 1.6], 0.0, final=False).decision == tune_stats.UNDECIDED  # too few pairs
+    assert tune_stats.judge([1.5, 1.6, 1.55, 1.52, 1.58], 0.02, final=False).decision == tune_stats.KEEP
+    assert tune_stats.judge([1.5, 1.6, 1.55], 0.02, final=False).decision == tune_stats.UNDECIDED  # < 5 pairs
+    assert tune_stats.judge([1.05, 1.06, 1.04, 1.05, 1.06], 0.05,
+                            final=True).decision == tune_stats.NOT_SIGNIFICANT  # < 3x the baseline noise
+    # above 1 every time, but scattered: the candidate's own spread is noise too
+    assert tune_stats.judge([1.01, 1.30, 1.02, 1.25, 1.08], 0.0, final=True).decision == tune_stats.NOT_SIGNIFICANT
+    assert tune_stats.judge([0.8, 0.82, 0.79, 0.81, 0.8], 0.02, final=False).decision == tune_stats.SLOWER
+    assert tune_stats.judge([1.2, 0.9, 1.1, 0.95, 1.05], 0.02, final=False).decision == tune_stats.UNDECIDED
     seq = [("baseline", 100.0), ("a", 150.0), ("baseline", 110.0), ("a", 160.0)]
     assert tune_stats.paired_ratios(seq, "a") == [150.0 / 105.0, 160.0 / 110.0]

@@ -29,7 +29,7 @@ from ..recipe.problems import did_you_mean
 from . import tune_knobs, tune_stats
 from .tune_knobs import Knob
 
-MAX_PAIRS = 5  # trials per change before it is called "no significant gain"
+MAX_PAIRS = 7  # trials per change before it is called "no significant gain"
 WARMUP_STEPS = 2  # the loop's own warm-up: metrics.jsonl has step_time_s from step 3 on
 MIN_STEPS = WARMUP_STEPS + 3
 

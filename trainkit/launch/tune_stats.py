@@ -4,10 +4,16 @@ Trials alternate with baseline trials (B C B C B ...), so each candidate trial i
 of the two baseline trials around it: slow drift of the machine (another job, thermal state) hits both
 sides of a pair and cancels out. A change is kept only when
 
-1. the bootstrap 95% interval of the mean log throughput ratio (candidate / its baselines) lies above 1, and
-2. the median gain is at least MIN_GAIN and at least NOISE_FACTOR x the baseline-vs-baseline noise
-   (the median |ratio - 1| of consecutive baseline trials): a gain the baseline shows against itself
-   is not a gain.
+1. at least MIN_PAIRS pairs were measured and the bootstrap 95% interval of the mean log throughput
+   ratio (candidate / its baselines) lies above 1, and
+2. the median gain is at least MIN_GAIN and at least NOISE_FACTOR x the noise: the larger of the
+   baseline-vs-baseline noise (the median |ratio - 1| of consecutive baseline trials: a gain the
+   baseline shows against itself is not a gain) and the spread of the candidate's own ratios (their
+   median absolute deviation: a few lucky pairs among scattered ones are not a gain either).
+
+Why 5 pairs: with 3, three ratios above 1 happen by chance one time in eight, and a 3-point
+bootstrap interval is as narrow as those three points; a full-suite run once "proved" a flag that
+does nothing on this machine that way. With 5 the chance is one in 32 before the noise condition.
 
 It is rejected as slower when the interval lies below 1, and as "no significant gain" when the trial
 budget for that knob is spent first. Pure Python: no torch, no numpy.
@@ -21,7 +27,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-MIN_PAIRS = 3  # fewer paired ratios cannot give a meaningful interval
+MIN_PAIRS = 5  # fewer paired ratios cannot give a meaningful interval (see above)
 MIN_GAIN = 0.03  # a smaller gain is not worth a recipe change even if it were real
 NOISE_FACTOR = 3.0
 BOOTSTRAP_RESAMPLES = 4000
@@ -65,8 +71,10 @@ def judge(ratios: Sequence[float], baseline_noise: Optional[float], final: bool)
         return Verdict(NOT_SIGNIFICANT if final else UNDECIDED,
                        statistics.median(ratios) - 1 if ratios else None, None, None, len(ratios))
     low, high = bootstrap_interval(ratios)
-    gain = statistics.median(ratios) - 1
-    needed = max(MIN_GAIN, NOISE_FACTOR * (baseline_noise or 0.0))
+    middle = statistics.median(ratios)
+    gain = middle - 1
+    spread = statistics.median(abs(r - middle) for r in ratios)
+    needed = max(MIN_GAIN, NOISE_FACTOR * max(baseline_noise or 0.0, spread))
     if low > 1.0 and gain >= needed:
         return Verdict(KEEP, gain, low, high, len(ratios))
     if high < 1.0:
