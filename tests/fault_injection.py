@@ -19,6 +19,9 @@
   DIR/perf-rank<R>.jsonl: forwards per module of the classes in TRAINKIT_PROBE_BLOCKS (counted on
   entry, so recomputations in backward count too), BatchNorm / SyncBatchNorm layers, memory format of
   the 4-D parameters and of the first 4-D module input, and torch._dynamo's compile counters.
+- TRAINKIT_FAULT_COLLECTIVE_LATENCY="ms=0.5": every DDP gradient all-reduce call pays a fixed delay
+  before it is issued, on every rank: a network's per-message cost, which gloo on one host lacks
+  (there, many small buckets cost no more than a few big ones; on a real link each one pays it).
 - TRAINKIT_FAULT_DIVERGE="rank=1,step=6,what=param|buffer": after that optimizer step (after its
   checkpoint) that rank alone adds 1e-3 to its first parameter's local tensor (param), or gets a
   buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
@@ -55,6 +58,7 @@ def install(*, model, rank: int) -> list:
     if spec and int(_fields(spec).get("rank", -1)) == rank:
         seconds = float(_fields(spec).get("ms", "50")) / 1000
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+    install_collective_latency(model)
     return (hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
             + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
             + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank))
@@ -121,6 +125,28 @@ def install_divergence(*, model, rank: int) -> list:
                 (p.to_local() if hasattr(p, "to_local") else p).add_(1e-3)
 
     return [diverge]
+
+
+def install_collective_latency(model) -> None:
+    """Delays torch's `_allreduce_fut`, which every Python DDP all-reduce hook calls (trainkit's timed
+    hook included); with no hook registered (DDP's C++ all-reduce), registers the plain one."""
+    spec = os.environ.get("TRAINKIT_FAULT_COLLECTIVE_LATENCY")
+    if not spec:
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seconds = float(_fields(spec).get("ms", "0.5")) / 1000
+    original = default_hooks._allreduce_fut
+
+    def slow_allreduce_fut(process_group, tensor):
+        time.sleep(seconds)
+        return original(process_group, tensor)
+
+    default_hooks._allreduce_fut = slow_allreduce_fut
+    try:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    except RuntimeError:  # a hook is registered already, and it calls _allreduce_fut
+        pass
 
 
 def install_collective_count(*, model, rank: int) -> list:
