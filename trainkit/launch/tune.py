@@ -405,10 +405,11 @@ class Tuner:
         if base:
             lines.append(f"Noise: consecutive baseline trials differ by {noise:.1%} (median)." if noise is not None
                          else "Noise: only one baseline trial (no baseline-vs-baseline pair).")
-        lines += [f"Rule: a change is kept when the bootstrap 95% interval of its paired throughput ratios (each "
-                  f"trial against the baseline trials around it) lies above 1 and its median gain is at least "
-                  f"{tune_stats.MIN_GAIN:.0%} and {tune_stats.NOISE_FACTOR:g}x the noise; at most {MAX_PAIRS} "
-                  f"pairs per change.", "",
+        lines += [f"Rule: a change is kept when, over at least {tune_stats.MIN_PAIRS} pairs, the bootstrap 95% "
+                  f"interval of its paired throughput ratios (each trial against the baseline trials around it) "
+                  f"lies above 1 and its median gain is at least {tune_stats.MIN_GAIN:.0%} and "
+                  f"{tune_stats.NOISE_FACTOR:g}x the noise (the baseline's, or the spread of its own ratios if "
+                  f"larger); at most {MAX_PAIRS} pairs per change.", "",
                   "| change | values tried | samples/s median (min-max, trials) | ratio vs baseline (95% interval) "
                   "| decision |", "|---|---|---|---|---|"]
         lines.append(f"| baseline | as given | {_spread(base)} | 1 | - |")
