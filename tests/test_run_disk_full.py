@@ -121,3 +121,26 @@ def test_an_error_report_that_does_not_fit_is_left_out_not_left_half_written(tmp
         except RuntimeError as exc:
             worker._record_error(exc, error_file)
         assert "RuntimeError: fits" in error_file.read_text()
+
+
+def test_a_rank_s_failure_report_masks_the_recipe_s_secrets(tmp_path, monkeypatch, capsys):
+    """Guards worker._fail: an exception whose message holds a secret of the recipe (a token in a
+    tracking URI, say) reaches neither the error file the launcher reports from nor the console."""
+    from trainkit.recipe import secrets
+    from trainkit.runtime import worker
+
+    token = "hunter2-secret-token-value"
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    try:
+        raise ConnectionError(f"cannot reach https://user:{token}@mlflow.example/api")
+    except ConnectionError as exc:
+        try:
+            worker._fail(exc, lambda text: secrets.redact_text(text, [token]))
+        except SystemExit as stop:
+            assert stop.code == 1
+    recorded = error_file.read_text()
+    assert token not in recorded and "cannot reach" in recorded and secrets.MASK in recorded
+    err = capsys.readouterr().err
+    assert token not in err and "rank 0 failed" in err

@@ -293,7 +293,7 @@ def _fail(exc: Exception, redact=str) -> None:
 
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        _record_error(exc, Path(error_file))
+        _record_error(exc, Path(error_file), redact)
     if os.environ.get("LOCAL_RANK", "0") == "0" and error_file:
         rank = os.environ.get("RANK", "0")
         try:
@@ -314,15 +314,31 @@ def _fail(exc: Exception, redact=str) -> None:
     sys.exit(1)
 
 
-def _record_error(exc: Exception, error_file: Path) -> None:
+def _record_error(exc: Exception, error_file: Path, redact=str) -> None:
     """torchelastic's error file, whole or not at all: a half-written one (ENOSPC) makes the agent
-    itself crash on reading it (JSONDecodeError), losing every rank's report."""
+    itself crash on reading it (JSONDecodeError), losing every rank's report. torch writes the
+    traceback of the exception being handled (`traceback.format_exc()`), which still holds the
+    original message: every string in the file goes through `redact` before it stays."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     try:
         get_error_handler().record_exception(exc)
-    except OSError:
+        data = json.loads(error_file.read_text())
+        masked = _map_strings(data, redact)
+        if masked != data:
+            error_file.write_text(json.dumps(masked))
+    except (OSError, ValueError):
         error_file.unlink(missing_ok=True)
+
+
+def _map_strings(value, fn):
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
 
 
 def _die_with_launcher() -> None:
