@@ -156,8 +156,9 @@ def main() -> None:
             os.killpg(server.pid, signal.SIGTERM)
     base = statistics.median(s for s, _ in results[next(iter(results))])
     base_first = statistics.median(f for _, f in results[next(iter(results))])
+    model = f"{CONV['name']} {CONV['args']}" if args.compare == "compile" else f"MLP {MODEL}"
     print(f"{args.compare}: {steps} steps, steady state from step {args.warmup}, log_every {le}, "
-          f"{args.repeats} alternating repeats, 2 processes (gloo, CPU), MLP {MODEL}, batch {BATCH}/rank")
+          f"{args.repeats} alternating repeats, 2 processes (gloo, CPU), {model}, batch {BATCH}/rank")
     print(f"{'configuration':<52} {'s/step (median)':>16} {'ratio':>7} {'per-repeat ratio: median (min-max)':>36} "
           f"{'to 1st step s':>14} {'ratio':>7}")
     base_values = results[next(iter(results))]
