@@ -131,7 +131,7 @@ def test_hf_causal_lm_flops_estimate_is_within_10_percent_of_counted(tmp_path, c
     config = {"model_type": "llama", "vocab_size": VOCAB_FLOPS, "hidden_size": 64, "intermediate_size": 172,
               "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
     counted = _counted(hf_causal_lm(config=config), 2, 32, VOCAB_FLOPS)
-    model = {"name": "hf_causal_lm", "args": {"config": config}}
+    model = {"name": "hf_causal_lm", "args": {"config": config}, "init": "auto"}
     assert _estimate(tmp_path, corpus, model, 2) == pytest.approx(counted, rel=0.10)
 
 
@@ -169,7 +169,7 @@ def test_a_hugging_face_model_from_a_recipe_config_trains_under_fsdp(tmp_path, c
     pytest.importorskip("transformers")
     config = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64}
-    path = lm_recipe(tmp_path, "hf", corpus, model={"name": "hf_causal_lm", "args": {"config": config}},
+    path = lm_recipe(tmp_path, "hf", corpus, model={"name": "hf_causal_lm", "args": {"config": config}, "init": "auto"},
                      strategy={"name": "fsdp", "wrap": ["LlamaDecoderLayer"]}, trainer={"max_steps": 4})
     run_dir = run(tmp_path, path)
     out = losses(run_dir)

@@ -115,6 +115,54 @@ def test_the_budget_holds_and_trials_are_child_runs_of_one_mlflow_run(tmp_path):
     assert not any((tmp_path / "runs").glob("*")), "run directories removed after delivery"
 
 
+def test_ctrl_c_stops_the_running_trial_at_once_and_still_reports(tmp_path):
+    """Guards the interruption promise (docs/tune.md): SIGINT to `trainkit tune` (what Ctrl-C sends to
+    the foreground process group; the trials run in sessions of their own, so only tune can stop
+    them) during a trial: exit 130 within seconds, the report of what was measured, no tuned recipe,
+    no trial process left running and no trial run directory left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from run_helpers import env_for
+
+    recipe = mlp_recipe(tmp_path, "stopped", trainer={"max_steps": 400, "log_every": 1,
+                                                      "checkpoint": {"every": 1000, "keep": 1}})
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "tune", str(recipe), "--knobs", "static_graph",
+                             "--steps", "400", "--budget", "10"], cwd=tmp_path, env=env_for(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # wait until the baseline trial's workers are training
+            lines.append(line)
+            if "trial 1: baseline" in line:
+                break
+        deadline = time.monotonic() + 120
+        while not any(tmp_path.joinpath("runs").rglob("metrics.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out = "".join(lines) + proc.communicate(timeout=60)[0]
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, out
+    assert took < 30, took
+    report = (tmp_path / "stopped.tuned.report.md").read_text()
+    assert "interrupted (Ctrl-C)" in report and "no tuned recipe written" in out
+    assert not (tmp_path / "stopped.tuned.yaml").exists()
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))]
+    assert not left, left
+    assert not any((tmp_path / "runs").glob("*")), list((tmp_path / "runs").rglob("*"))[:5]
+
+
 def test_bad_input_is_refused_before_anything_runs(tmp_path):
     recipe = mlp_recipe(tmp_path, "input", **FAST)
     r = trainkit(tmp_path, "tune", str(recipe), "strategy.bucket_cap=5")
