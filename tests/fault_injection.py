@@ -22,6 +22,11 @@
 - TRAINKIT_FAULT_COLLECTIVE_LATENCY="ms=0.5": every DDP gradient all-reduce call pays a fixed delay
   before it is issued, on every rank: a network's per-message cost, which gloo on one host lacks
   (there, many small buckets cost no more than a few big ones; on a real link each one pays it).
+- TRAINKIT_FAULT_SLOW_LINK="ms=4": a slow network link, on every rank: each DDP gradient all-reduce,
+  once gloo has finished it, holds one shared link for that long before its future completes, and the
+  next one queues behind it. Backward is not blocked (the collective is in flight meanwhile), so a
+  step with many buckets waits for the queue after backward: exposed communication, which gloo on
+  one host barely has.
 - TRAINKIT_FAULT_DIVERGE="rank=1,step=6,what=param|buffer": after that optimizer step (after its
   checkpoint) that rank alone adds 1e-3 to its first parameter's local tensor (param), or gets a
   buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
@@ -30,7 +35,9 @@
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
 import time
 
 
@@ -59,6 +66,7 @@ def install(*, model, rank: int) -> list:
         seconds = float(_fields(spec).get("ms", "50")) / 1000
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
     install_collective_latency(model)
+    install_slow_link(model)
     return (hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
             + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
             + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank))
@@ -141,6 +149,39 @@ def install_collective_latency(model) -> None:
     def slow_allreduce_fut(process_group, tensor):
         time.sleep(seconds)
         return original(process_group, tensor)
+
+    default_hooks._allreduce_fut = slow_allreduce_fut
+    try:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    except RuntimeError:  # a hook is registered already, and it calls _allreduce_fut
+        pass
+
+
+def install_slow_link(model) -> None:
+    """Wraps torch's `_allreduce_fut` (see install_collective_latency) so its future completes only
+    after one link thread per process has spent `ms` on it, in issue order."""
+    spec = os.environ.get("TRAINKIT_FAULT_SLOW_LINK")
+    if not spec:
+        return
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seconds = float(_fields(spec).get("ms", "4")) / 1000
+    original = default_hooks._allreduce_fut
+    link: queue.Queue = queue.Queue()
+
+    def carry() -> None:  # the link: one collective at a time
+        while True:
+            finished, delayed = link.get()
+            time.sleep(seconds)
+            delayed.set_result(finished.value())
+
+    threading.Thread(target=carry, name="slow-link", daemon=True).start()
+
+    def slow_allreduce_fut(process_group, tensor):
+        delayed = torch.futures.Future()
+        original(process_group, tensor).add_done_callback(lambda finished: link.put((finished, delayed)))
+        return delayed
 
     default_hooks._allreduce_fut = slow_allreduce_fut
     try:
