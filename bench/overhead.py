@@ -3,6 +3,7 @@
     python bench/overhead.py framework   # trainkit run vs a plain hand-written torchrun DDP script
     python bench/overhead.py tracking    # MLflow tracking off vs SQLite vs a real `mlflow server`
     python bench/overhead.py monitors    # no monitors vs all built-in monitors except the profiler
+    python bench/overhead.py monitors --each   # ... and each monitor alone
     python bench/overhead.py framework --compile   # both sides compiled: DDP(torch.compile(m)) / performance.compile
     python bench/overhead.py compile     # trainkit, a conv model (small_cnn): eager vs performance.compile
 
@@ -37,6 +38,7 @@ MODEL = {"in_features": 3072, "hidden": 2048, "depth": 3, "num_classes": 10}
 BATCH = 32
 
 
+ALL_MONITORS = ("system", "gpu", "throughput", "breakdown", "memory", "stragglers")
 CONV = {"name": "small_cnn", "args": {"num_classes": 10, "width": 32}}
 
 
@@ -113,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("compare", choices=["framework", "tracking", "monitors", "compile"])
     parser.add_argument("--compile", action="store_true", help="framework: both sides compiled")
+    parser.add_argument("--each", action="store_true", help="monitors: also each monitor alone")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--log-every", type=int, default=10)
@@ -144,8 +147,9 @@ def main() -> None:
                    "tracking -> mlflow server": tk("server", tracking={"experiment": "bench", "uri": uri})}
     else:
         configs = {"no monitors": tk("plainmon"),
-                   "system+gpu+throughput+breakdown+memory+stragglers": tk(
-                       "allmon", monitors=["system", "gpu", "throughput", "breakdown", "memory", "stragglers"])}
+                   "+".join(ALL_MONITORS): tk("allmon", monitors=list(ALL_MONITORS))}
+        if args.each:  # which monitor costs what: each one alone, in the same alternation
+            configs.update({f"{m} alone": tk(f"only-{m}", monitors=[m]) for m in ALL_MONITORS})
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
     try:
         for _ in range(args.repeats):

@@ -33,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": 7}}
+DEPTH = int(os.environ.get("TRAINKIT_BENCH_DEPTH", "7"))  # --depth; the workers read it from the environment
+MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": DEPTH}}
 CONFIGS = {  # "init": model.init (default auto: seeded for FSDP and ZeRO-3, constructor otherwise)
     "ddp": {"name": "ddp"},
     "fsdp": {"name": "fsdp"},
@@ -246,7 +247,11 @@ def main() -> int:
     ap.add_argument("--out", help="JSON file for the raw per-rank results")
     ap.add_argument("--only", nargs="*", choices=list(CONFIGS), help="a subset (the table needs all)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per strategy")
+    ap.add_argument("--depth", type=int, help="MLP depth (default 7: 105 M parameters; 14: 206 M)")
     args = ap.parse_args()
+    if args.depth and not args.worker:
+        os.environ["TRAINKIT_BENCH_DEPTH"] = str(args.depth)
+        MODEL["args"]["depth"] = args.depth
     if args.worker:
         worker(args.worker, args.steps, args.out)
         # as trainkit's worker does: leave without interpreter finalization, during which gloo's

@@ -115,6 +115,44 @@ def test_the_budget_holds_and_trials_are_child_runs_of_one_mlflow_run(tmp_path):
     assert not any((tmp_path / "runs").glob("*")), "run directories removed after delivery"
 
 
+def test_with_mlflow_unreachable_nothing_is_lost_and_sync_delivers_the_tree_later(tmp_path):
+    """The store is unreachable for the whole tune (a file where its folder should be): the tune run
+    and every trial run stay spooled, tune names the folders and the sync command; synced later, in
+    the printed order (trials before their parent: each trial delivers the parent first), MLflow holds
+    one FINISHED parent with the report and every trial linked to it, exactly once."""
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "later").write_text("")
+    uri = f"sqlite:///{tmp_path}/later/mlflow.db"
+    recipe = mlp_recipe(tmp_path, "offline", tracking={"enabled": True, "experiment": "tune", "uri": uri}, **FAST)
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph", "--steps", "8", "--budget", "0.4")
+    assert r.returncode == 0, r.output
+    trials = re.findall(r"^trainkit: tune: trial \d+: (\S+): [\d.]+ samples/s$", r.stdout, re.M)
+    assert trials[0] == "baseline" and len(trials) >= 2
+    dirs = re.search(r"deliver them with\n  trainkit sync (.+)$", r.stderr, re.M).group(1).split()
+    assert len(dirs) == len(trials) + 1 and dirs[-1].endswith("/parent")
+    assert all(Path(d, "tracking", "spool.jsonl").is_file() for d in dirs)
+
+    (tmp_path / "later").unlink()
+    (tmp_path / "later").mkdir()  # the store is back
+    synced = trainkit(tmp_path, "sync", *dirs)
+    assert synced.returncode == 0, synced.output
+    assert trainkit(tmp_path, "sync", *dirs).returncode == 0  # again: nothing pending, nothing duplicated
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("tune").experiment_id])
+    parents = [x for x in runs if x.data.tags.get("trainkit.tune") == "parent"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED", [x.data.tags for x in runs]
+    parent = parents[0]
+    assert "baseline/samples_per_s" in parent.data.metrics
+    assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["offline.tuned.report.md"]
+    children = [x for x in runs if x is not parent]
+    assert len(children) == len(trials)
+    assert all(x.data.tags.get("mlflow.parentRunId") == parent.info.run_id for x in children)
+    assert sorted(x.data.tags["trainkit.tune.change"] for x in children) == sorted(trials)
+    assert all(len(client.get_metric_history(x.info.run_id, "tune/samples_per_s")) == 1 for x in children)
+
+
 def test_ctrl_c_stops_the_running_trial_at_once_and_still_reports(tmp_path):
     """Guards the interruption promise (docs/tune.md): SIGINT to `trainkit tune` (what Ctrl-C sends to
     the foreground process group; the trials run in sessions of their own, so only tune can stop

@@ -283,8 +283,9 @@ ssh -L 5000:127.0.0.1:5000 gpu-node   # then, on gpu-node: trainkit ui""")
                  "Deliver the tracking records a run spooled while its MLflow server was unreachable; a run whose "
                  "launch died without closing it is closed too (FINISHED if it completed, else KILLED).",
                  """
-trainkit sync runs/resnet152-ddp""")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+trainkit sync runs/resnet152-ddp
+trainkit sync runs/ddp-mlp.tune-20261122-101500/parent runs/ddp-mlp.tune-20261122-101500/trials/*""")
+    p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+")
     p.set_defaults(func=cmd_sync)
 
     p = _command(sub, "report", "the bottleneck report of a past run (from RUN_DIR/reports/breakdown.json)",
@@ -703,25 +704,34 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    """Deliver what the spool holds; a run whose launch died without closing it (no live holder of
-    RUN_DIR/launch.lock) is closed too: FINISHED if summary.json proves it completed, else KILLED."""
+    """Deliver what each spool holds; a run whose launch died without closing it (no live holder of
+    RUN_DIR/launch.lock) is closed too: FINISHED if summary.json proves it completed, else KILLED.
+    Exit 2 if a folder has no spool (nothing delivered), 1 if records are still pending anywhere."""
     from pathlib import Path
 
+    from .tracking.spool import Spool
+
+    missing = [d for d in args.run_dirs if not Path(d).is_dir() or not Spool(Path(d)).path.is_file()]
+    if missing:
+        for d in missing:
+            print(f"trainkit: {d} has no tracking spool (tracking/spool.jsonl)", file=sys.stderr)
+        return EXIT_INVALID
+    codes = [_sync_one(Path(d)) for d in args.run_dirs]
+    return EXIT_FAILED if EXIT_FAILED in codes else EXIT_OK
+
+
+def _sync_one(run_dir) -> int:
     from .launch.lock import describe, holder_alive
     from .tracking.delivery import deliver
     from .tracking.run import open_status
     from .tracking.spool import Spool
 
-    run_dir = Path(args.run_dir)
     spool = Spool(run_dir)
-    if not run_dir.is_dir() or not spool.path.is_file():
-        print(f"trainkit: {args.run_dir} has no tracking spool (tracking/spool.jsonl)", file=sys.stderr)
-        return EXIT_INVALID
     closed = None
     if open_status(run_dir) == "RUNNING":
         holder = holder_alive(run_dir)
         if holder:
-            print(f"trainkit: the run is still open: a launch is running ({describe(holder)})")
+            print(f"trainkit: {run_dir}: the run is still open: a launch is running ({describe(holder)})")
         else:
             from .launch.launcher import finalize_dead_launch
 
@@ -729,11 +739,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
     pending, error = deliver(run_dir)
     state = spool.state()
     if pending:
-        print(f"trainkit: {pending} record(s) still pending: {error}", file=sys.stderr)
+        print(f"trainkit: {run_dir}: {pending} record(s) still pending: {error}", file=sys.stderr)
         return EXIT_FAILED
     if closed:
         print(f"trainkit: the launch that wrote {run_dir} died without closing its run: marked {closed}")
-    print(f"trainkit: all tracking records delivered to run {state.get('run_id')} in {state.get('uri')}")
+    print(f"trainkit: {run_dir}: all tracking records delivered to run {state.get('run_id')} in {state.get('uri')}")
     return EXIT_OK
 
 

@@ -236,7 +236,8 @@ def _close(recipe: Recipe, run_dir: Path, launch_dir: Path, where: Optional[str]
 
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
         artifacts, tags = model_artifacts(recipe, run_dir, status)
-        closed = tracking.close_run(run_dir, launch_dir, status, reason or "completed", artifacts, tags)
+        closed = tracking.close_run(run_dir, launch_dir, status, reason or "completed", artifacts, tags,
+                                    timeout=recipe.tracking.close_wait_s)
         print(f"trainkit: {closed}", flush=True)
     return code
 

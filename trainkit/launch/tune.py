@@ -20,12 +20,14 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..monitors.bottleneck import Diagnosis, diagnose
 from ..recipe.problems import did_you_mean
+from ..tracking.spool import Spool, run_id
 from . import tune_knobs, tune_stats
 from .tune_knobs import Knob
 
@@ -271,7 +273,8 @@ class Tuner:
         cmd = [sys.executable, "-m", "trainkit.cli", "run", self.recipe_path, *self.user_overrides, *arm.overrides(),
                f"name={name}", f"tracking.run_name={name}", f"launch.run_dir={run_root}",
                f"trainer.max_steps={self.o.steps}", "trainer.log_every=1", "trainer.resume=never",
-               "trainer.eval_every=null", "trainer.checkpoint.every=null", f"monitors={json.dumps(monitors)}"]
+               "trainer.eval_every=null", "trainer.checkpoint.every=null", f"monitors={json.dumps(monitors)}",
+               "tracking.close_wait_s=0"]  # tune delivers (or keeps) each trial's records itself, right after
         log = self.workdir / f"{name}.log"
         limit = timeout if timeout is not None else max(60.0, 5 * self.trial_estimate_s)
         print(f"trainkit: tune: trial {index}: {arm.name}", flush=True)
@@ -285,6 +288,7 @@ class Tuner:
                 code = 124
             except BaseException:  # Ctrl-C: stop the trial at once, leave nothing behind
                 _stop(proc)
+                self._link_child(run_root / name, arm, Trial(arm.name, name, 130, time.monotonic() - start))
                 self._discard(run_root / name)
                 raise
         trial = Trial(arm.name, name, code, time.monotonic() - start)
@@ -316,72 +320,75 @@ class Tuner:
 
             pending, error = deliver(run_dir)
             if pending:
-                print(f"trainkit: tune: kept {run_dir}: {pending} tracking record(s) undelivered ({error}); "
-                      f"`trainkit sync {run_dir}` delivers them", file=sys.stderr)
+                print(f"trainkit: tune: kept {run_dir}: {pending} tracking record(s) undelivered ({error})",
+                      file=sys.stderr)
                 self.kept_dirs.append(run_dir)
                 return
         shutil.rmtree(run_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ MLflow: a parent run, a child per trial
     def _open_parent(self) -> None:
+        """The tune's own MLflow run, spooled like a training run's (WORKDIR/parent/tracking/spool.jsonl):
+        with the server down, it and every link to it wait there for `trainkit sync`."""
         t = self.recipe.tracking
         if not t.enabled:
             return
-        try:
-            from ..tracking.delivery import client_for, default_uri, ensure_experiment
+        from ..tracking import credentials
+        from ..tracking.delivery import default_uri, deliver
 
-            uri = t.uri or default_uri()
-            client = client_for(uri)
-            exp = ensure_experiment(client, t.experiment, uri)
-            run = client.create_run(exp, run_name=f"{self.recipe.name}-tune",
-                                    tags={"trainkit.tune": "parent", "trainkit.recipe": self.recipe_path})
-            client.log_param(run.info.run_id, "tune.steps", self.o.steps)
-            client.log_param(run.info.run_id, "tune.budget_min", f"{self.o.budget_s / 60:g}")
-            self.parent = (client, run.info.run_id)
-        except Exception as exc:  # tracking is a record, never a reason not to tune
-            print(f"trainkit: tune: warning: no MLflow parent run ({type(exc).__name__}: {exc})", file=sys.stderr)
+        self.parent = self.workdir / "parent"
+        uri = credentials.adopt(t.uri) if t.uri else default_uri()
+        Spool(self.parent).append([
+            {"op": "create", "uri": uri, "experiment": self.resolved.redact_text(t.experiment),
+             "key": uuid.uuid4().hex, "run_name": f"{self.recipe.name}-tune", "ts": _now_ms(),
+             "tags": {"trainkit.tune": "parent", "trainkit.recipe": self.recipe_path}},
+            {"op": "params", "params": {"tune.steps": str(self.o.steps), "tune.budget_min": f"{self.o.budget_s / 60:g}",
+                                        "tune.knobs": ",".join(self.o.knobs) if self.o.knobs else "(diagnosis)"}}])
+        pending, error = deliver(self.parent)
+        if pending:
+            print(f"trainkit: tune: MLflow unreachable now ({error}): the tune run and its trials' runs are kept "
+                  f"in their spools and delivered later", file=sys.stderr)
 
     def _link_child(self, run_dir: Path, arm: Arm, trial: Trial) -> Optional[str]:
+        """Spool the trial run's link to the tune run (delivered with it, or later by `trainkit sync`)."""
         if self.parent is None or not (run_dir / "tracking").is_dir():
             return None
         from ..tracking.delivery import deliver
-        from ..tracking.spool import run_id
 
+        records: list[dict] = [{"op": "link", "tag": "mlflow.parentRunId", "run_dir": str(self.parent)},
+                               {"op": "tags", "tags": {"trainkit.tune.change": arm.name}}]
+        if trial.samples_per_s is not None:
+            records.append({"op": "metric", "key": "tune/samples_per_s", "value": trial.samples_per_s,
+                            "ts": _now_ms(), "step": 0})
+        Spool(run_dir).append(records)
         deliver(run_dir)
-        child = run_id(run_dir)
-        if child:
-            client, parent = self.parent
-            try:
-                client.set_tag(child, "mlflow.parentRunId", parent)
-                client.set_tag(child, "trainkit.tune.change", arm.name)
-                if trial.samples_per_s is not None:
-                    client.log_metric(child, "tune/samples_per_s", trial.samples_per_s)
-            except Exception as exc:
-                print(f"trainkit: tune: warning: could not link run {child} to the tune run: {exc}", file=sys.stderr)
-        return child
+        return run_id(run_dir)
 
     def _close_parent(self, status: str, report: Optional[Path] = None) -> None:
         if self.parent is None:
             return
-        client, run = self.parent
-        try:
-            base = self._median("baseline")
-            if base:
-                client.log_metric(run, "baseline/samples_per_s", base)
-            if self.final is not None and self.final.verdict:
-                client.log_metric(run, "tuned/gain", self.final.verdict.gain)
-                client.set_tag(run, "trainkit.tune.kept", self.final.name)
-            if report is not None:
-                client.log_artifact(run, str(report))
-            client.set_terminated(run, status)
-        except Exception as exc:
-            print(f"trainkit: tune: warning: could not close the MLflow tune run: {exc}", file=sys.stderr)
+        records: list[dict] = []
+        base = self._median("baseline")
+        if base:
+            records.append({"op": "metric", "key": "baseline/samples_per_s", "value": base, "ts": _now_ms(), "step": 0})
+        if self.final is not None and self.final.verdict:
+            records += [{"op": "metric", "key": "tuned/gain", "value": self.final.verdict.gain, "ts": _now_ms(),
+                         "step": 0}, {"op": "tags", "tags": {"trainkit.tune.kept": self.final.name}}]
+        if report is not None:  # a copy beside the spool: delivered later, it is still there
+            kept = self.parent / "reports" / report.name
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(report, kept)
+            records.append({"op": "artifact", "path": str(kept)})
+        records.append({"op": "status", "status": status, "ts": _now_ms()})
+        Spool(self.parent).append(records)
+        self._discard(self.parent)
 
     def _cleanup(self) -> None:
         if not self.kept_dirs:
             shutil.rmtree(self.workdir, ignore_errors=True)
         else:
-            print(f"trainkit: tune: kept {self.workdir} (undelivered tracking records in it)", file=sys.stderr)
+            print(f"trainkit: tune: kept {self.workdir} (undelivered tracking records in it); deliver them with\n"
+                  f"  trainkit sync {' '.join(str(d) for d in self.kept_dirs)}", file=sys.stderr)
 
     # ------------------------------------------------------------------ outputs
     def _values(self, arm: str) -> list[float]:
@@ -422,6 +429,8 @@ class Tuner:
             if arm is self.combination:
                 decision = "combination " + ("verified" if v and v.decision == tune_stats.KEEP else
                                              "not verified: " + (v.decision if v else "not measured"))
+                if v and v.decision == tune_stats.KEEP and self.final is not None and self.final is not arm:
+                    decision += f", but slower than {self.final.name} alone: not used"
             lines.append(f"| {arm.name} | {tried} | {_spread(self._values(arm.name))} | {ratio} | {decision} |")
         lines.append("")
         if self.skipped:
@@ -483,6 +492,10 @@ class Tuner:
 
 
 # ---------------------------------------------------------------------- helpers
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 

@@ -418,3 +418,6 @@ class TrackingOptions(Block):
     enabled: bool = Field(default=True, description="log to MLflow at all")
     log_model: bool = Field(default=False, description="log the final model with mlflow.pytorch")
     log_checkpoints: bool = Field(default=False, description="upload checkpoints as artifacts")
+    close_wait_s: float = Field(default=30.0, ge=0, description="at the end of a run, how long to keep retrying an "
+                                "unreachable MLflow server (a restart rides it out) before leaving the records "
+                                "in the spool for `trainkit sync`")

@@ -171,11 +171,29 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             client.log_artifacts(run_id, str(path), chunk[0].get("dir"))
         elif path.is_file():
             client.log_artifact(run_id, str(path), chunk[0].get("dir"))
+    elif op == "link":  # a tag naming another spooled run (a tune trial's parent): known once that one exists
+        client.set_tag(run_id, chunk[0]["tag"], _linked_run_id(Path(chunk[0]["run_dir"])))
     elif op == "status":
         if chunk[0]["status"] == "RUNNING":
             client.update_run(run_id, status="RUNNING")
         else:
             client.set_terminated(run_id, chunk[0]["status"], end_time=chunk[0].get("ts"))
+
+
+class LinkPending(Exception):
+    """The run a `link` record names is not in MLflow yet; the record waits in the spool."""
+
+
+def _linked_run_id(run_dir: Path) -> str:
+    """The MLflow id of the run spooled in `run_dir`, delivering that spool first if it has none yet,
+    so a child is never linked to a parent that does not exist (and waits for it instead)."""
+    linked = Spool(run_dir).state().get("run_id")
+    if not linked:
+        deliver(run_dir)
+        linked = Spool(run_dir).state().get("run_id")
+    if not linked:
+        raise LinkPending(f"the run spooled in {run_dir} is not in MLflow yet (`trainkit sync {run_dir}`)")
+    return linked
 
 
 def _find_run(client, exp_id: str, key: str, record: dict) -> list:
