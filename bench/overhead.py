@@ -1,6 +1,7 @@
 """Side-by-side overhead benchmarks, 2 processes on CPU (gloo), measured alternately in one run.
 
     python bench/overhead.py framework   # trainkit run vs a plain hand-written torchrun DDP script
+    python bench/overhead.py framework --monitors  # ... and trainkit with every monitor but the profiler
     python bench/overhead.py tracking    # MLflow tracking off vs SQLite vs a real `mlflow server`
     python bench/overhead.py monitors    # no monitors vs all built-in monitors except the profiler
     python bench/overhead.py monitors --each   # ... and each monitor alone
@@ -116,6 +117,8 @@ def main() -> None:
     parser.add_argument("compare", choices=["framework", "tracking", "monitors", "compile"])
     parser.add_argument("--compile", action="store_true", help="framework: both sides compiled")
     parser.add_argument("--each", action="store_true", help="monitors: also each monitor alone")
+    parser.add_argument("--monitors", action="store_true",
+                        help="framework: also trainkit with every monitor but the profiler")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--log-every", type=int, default=10)
@@ -137,6 +140,9 @@ def main() -> None:
                    lambda: run_plain(folder, steps, args.warmup, le, env, compiled=c),
                    f"trainkit run{' (performance.compile)' if c else ''}":
                    tk("framework", **({"performance": {"compile": True}} if c else {}))}
+        if args.monitors:  # the issue's goal holds "with and without monitors": trainkit + monitors vs plain
+            configs[f"trainkit run + {'+'.join(ALL_MONITORS)}"] = tk(
+                "framework-mon", monitors=list(ALL_MONITORS), **({"performance": {"compile": True}} if c else {}))
     elif args.compare == "compile":
         configs = {"small_cnn eager": tk("eager", model=CONV),
                    "small_cnn performance.compile": tk("compiled", model=CONV, performance={"compile": True})}

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+PHASES = os.environ.get("TRAINKIT_BENCH_PHASES") == "1"  # --phases; the workers read it from the environment
 DEPTH = int(os.environ.get("TRAINKIT_BENCH_DEPTH", "7"))  # --depth; the workers read it from the environment
 MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": DEPTH}}
 CONFIGS = {  # "init": model.init (default auto: seeded for FSDP and ZeRO-3, constructor otherwise)
@@ -117,6 +118,16 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
 
+    phases = []  # --phases (Linux, CPU): each step's peak RSS in forward+backward and in the optimizer step
+
+    def proc_status(field: str) -> int:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
+
+    def reset_peak() -> None:  # VmHWM := VmRSS (Linux >= 4.0); it also resets what getrusage reports
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+
     def peak() -> int:
         return torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -137,9 +148,18 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if PHASES:
+            before = proc_status("VmRSS")
+            reset_peak()
         strategy.forward_backward(model, x, y, loss_fn, precision, grad_accum_steps=1, last_micro_step=True)
+        if PHASES:
+            fb_peak, after_fb = proc_status("VmHWM"), proc_status("VmRSS")
+            reset_peak()
         t1 = time.perf_counter()
         strategy.optimizer_step(model, optimizer, precision, None)
+        if PHASES:
+            phases.append({"step": i, "rss_before": before, "fb_peak": fb_peak, "rss_after_fb": after_fb,
+                           "opt_peak": proc_status("VmHWM"), "rss_after": proc_status("VmRSS")})
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
@@ -151,6 +171,8 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
               "step_s": statistics.median(times), "optimizer_s": statistics.median(opt_times),
               "peak_bytes": peak(), "start_peak_bytes": start_peak, "setup_peak_bytes": setup_peak,
               "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS"}
+    if PHASES:  # the resets above cleared the process's own peak: the largest phase peak is the run's
+        result.update(phases=phases, peak_bytes=max([setup_peak] + [max(p["fb_peak"], p["opt_peak"]) for p in phases]))
     if recipe.strategy.name == "pipeline":
         result.update(stage_alone(strategy, model, x, loss_fn, recipe.strategy.microbatches, device))
     gathered = [None] * dist.get_world_size()
@@ -240,6 +262,18 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(results: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    rows = ["| strategy | rank | step | RSS before (GiB) | peak in forward+backward | RSS after backward | "
+            "peak in optimizer step | RSS after |", "|---|---|---|---|---|---|---|---|"]
+    for label, ranks in results.items():
+        for r in ranks:
+            for p in r.get("phases", []):
+                rows.append(f"| {label} | {r['rank']} | {p['step']} | {gib(p['rss_before'])} | {gib(p['fb_peak'])} | "
+                            f"{gib(p['rss_after_fb'])} | {gib(p['opt_peak'])} | {gib(p['rss_after'])} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -248,7 +282,11 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", choices=list(CONFIGS), help="a subset (the table needs all)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per strategy")
     ap.add_argument("--depth", type=int, help="MLP depth (default 7: 105 M parameters; 14: 206 M)")
+    ap.add_argument("--phases", action="store_true", help="CPU on Linux: also each step's peak RSS in "
+                    "forward+backward and in the optimizer step (/proc/self/clear_refs), printed per rank")
     args = ap.parse_args()
+    if args.phases and not args.worker:
+        os.environ["TRAINKIT_BENCH_PHASES"] = "1"
     if args.depth and not args.worker:
         os.environ["TRAINKIT_BENCH_DEPTH"] = str(args.depth)
         MODEL["args"]["depth"] = args.depth
@@ -272,7 +310,10 @@ def main() -> int:
     if set(CONFIGS) <= set(results):
         print(table(results))
     else:
-        print(json.dumps(results, indent=2))
+        print(json.dumps({k: [{f: v for f, v in r.items() if f != "phases"} for r in rs] for k, rs in results.items()},
+                         indent=2))
+    if args.phases:
+        print(phase_table(results))
     return 0
 
 
