@@ -66,6 +66,9 @@ def test_sync_delivers_what_an_unreachable_store_left_in_the_spool(tmp_path):
     assert pending == 6 and error
     (tmp_path / "later").unlink()
     (tmp_path / "later").mkdir()  # the store is back
+    mixed = trainkit(tmp_path, "sync", str(run_dir), str(tmp_path / "nothing-here"))
+    assert mixed.returncode == 2 and "nothing-here has no tracking spool" in mixed.stderr
+    assert spool.pending_count() == 6  # a bad folder in the list: nothing is delivered, not half of it
     result = trainkit(tmp_path, "sync", str(run_dir))
     assert result.returncode == 0, result.output
     client = MlflowClient(uri)

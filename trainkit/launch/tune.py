@@ -20,14 +20,14 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..monitors.bottleneck import Diagnosis, diagnose
 from ..recipe.problems import did_you_mean
-from ..tracking.spool import Spool, run_id
+from ..tracking.delivery import deliver
+from ..tracking.run import close_parent_run, link_to_parent, open_parent_run
 from . import tune_knobs, tune_stats
 from .tune_knobs import Knob
 
@@ -65,7 +65,6 @@ class Trial:
     wall_s: float
     samples_per_s: Optional[float] = None
     error: str = ""
-    run_id: Optional[str] = None
 
 
 @dataclass
@@ -114,7 +113,7 @@ class Tuner:
         self.kept_dirs: list[Path] = []
         self.stopped = ""  # why the tune ended early
         self.trial_estimate_s = 0.0
-        self.parent = None  # (client, run_id) of the MLflow parent run
+        self.parent: Optional[Path] = None  # the spool folder of the tune's MLflow run
         self.facts = {"cuda": _cuda()}
 
     # ------------------------------------------------------------------ the procedure
@@ -306,7 +305,7 @@ class Tuner:
             print(f"trainkit: tune: trial {index}: {arm.name}: {trial.samples_per_s:.1f} samples/s", flush=True)
         else:
             print(f"trainkit: tune: trial {index}: {arm.name}: failed: {trial.error}", file=sys.stderr, flush=True)
-        trial.run_id = self._link_child(run_dir, arm, trial)
+        self._link_child(run_dir, arm, trial)
         self.trials.append(trial)
         self._discard(run_dir)
         return trial
@@ -316,8 +315,6 @@ class Tuner:
         if not run_dir.exists():
             return
         if (run_dir / "tracking").is_dir():
-            from ..tracking.delivery import deliver
-
             pending, error = deliver(run_dir)
             if pending:
                 print(f"trainkit: tune: kept {run_dir}: {pending} tracking record(s) undelivered ({error})",
@@ -330,57 +327,40 @@ class Tuner:
     def _open_parent(self) -> None:
         """The tune's own MLflow run, spooled like a training run's (WORKDIR/parent/tracking/spool.jsonl):
         with the server down, it and every link to it wait there for `trainkit sync`."""
-        t = self.recipe.tracking
-        if not t.enabled:
+        if not self.recipe.tracking.enabled:
             return
-        from ..tracking import credentials
-        from ..tracking.delivery import default_uri, deliver
-
         self.parent = self.workdir / "parent"
-        uri = credentials.adopt(t.uri) if t.uri else default_uri()
-        Spool(self.parent).append([
-            {"op": "create", "uri": uri, "experiment": self.resolved.redact_text(t.experiment),
-             "key": uuid.uuid4().hex, "run_name": f"{self.recipe.name}-tune", "ts": _now_ms(),
-             "tags": {"trainkit.tune": "parent", "trainkit.recipe": self.recipe_path}},
-            {"op": "params", "params": {"tune.steps": str(self.o.steps), "tune.budget_min": f"{self.o.budget_s / 60:g}",
-                                        "tune.knobs": ",".join(self.o.knobs) if self.o.knobs else "(diagnosis)"}}])
-        pending, error = deliver(self.parent)
+        pending, error = open_parent_run(
+            self.parent, self.resolved, f"{self.recipe.name}-tune",
+            tags={"trainkit.tune": "parent", "trainkit.recipe": self.recipe_path},
+            params={"tune.steps": str(self.o.steps), "tune.budget_min": f"{self.o.budget_s / 60:g}",
+                    "tune.knobs": ",".join(self.o.knobs) if self.o.knobs else "(diagnosis)"})
         if pending:
             print(f"trainkit: tune: MLflow unreachable now ({error}): the tune run and its trials' runs are kept "
                   f"in their spools and delivered later", file=sys.stderr)
 
-    def _link_child(self, run_dir: Path, arm: Arm, trial: Trial) -> Optional[str]:
-        """Spool the trial run's link to the tune run (delivered with it, or later by `trainkit sync`)."""
-        if self.parent is None or not (run_dir / "tracking").is_dir():
-            return None
-        from ..tracking.delivery import deliver
-
-        records: list[dict] = [{"op": "link", "tag": "mlflow.parentRunId", "run_dir": str(self.parent)},
-                               {"op": "tags", "tags": {"trainkit.tune.change": arm.name}}]
-        if trial.samples_per_s is not None:
-            records.append({"op": "metric", "key": "tune/samples_per_s", "value": trial.samples_per_s,
-                            "ts": _now_ms(), "step": 0})
-        Spool(run_dir).append(records)
-        deliver(run_dir)
-        return run_id(run_dir)
+    def _link_child(self, run_dir: Path, arm: Arm, trial: Trial) -> None:
+        """Spool the trial run's link to the tune run (`_discard` delivers it, or `trainkit sync` later)."""
+        if self.parent is not None and (run_dir / "tracking").is_dir():
+            link_to_parent(run_dir, self.parent, {"trainkit.tune.change": arm.name},
+                           {} if trial.samples_per_s is None else {"tune/samples_per_s": trial.samples_per_s})
 
     def _close_parent(self, status: str, report: Optional[Path] = None) -> None:
         if self.parent is None:
             return
-        records: list[dict] = []
+        metrics, tags, artifacts = {}, {}, []
         base = self._median("baseline")
         if base:
-            records.append({"op": "metric", "key": "baseline/samples_per_s", "value": base, "ts": _now_ms(), "step": 0})
+            metrics["baseline/samples_per_s"] = base
         if self.final is not None and self.final.verdict:
-            records += [{"op": "metric", "key": "tuned/gain", "value": self.final.verdict.gain, "ts": _now_ms(),
-                         "step": 0}, {"op": "tags", "tags": {"trainkit.tune.kept": self.final.name}}]
+            metrics["tuned/gain"] = self.final.verdict.gain
+            tags["trainkit.tune.kept"] = self.final.name
         if report is not None:  # a copy beside the spool: delivered later, it is still there
             kept = self.parent / "reports" / report.name
             kept.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(report, kept)
-            records.append({"op": "artifact", "path": str(kept)})
-        records.append({"op": "status", "status": status, "ts": _now_ms()})
-        Spool(self.parent).append(records)
+            artifacts.append(kept)
+        close_parent_run(self.parent, status, metrics, tags, artifacts)
         self._discard(self.parent)
 
     def _cleanup(self) -> None:
@@ -492,10 +472,6 @@ class Tuner:
 
 
 # ---------------------------------------------------------------------- helpers
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 

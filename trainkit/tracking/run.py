@@ -74,6 +74,12 @@ def run_tags(recipe, environment: dict) -> dict[str, str]:
     return tags
 
 
+def tracking_uri(recipe) -> str:
+    """Where the recipe's runs go: its `tracking.uri` (credentials moved to the environment), else
+    MLFLOW_TRACKING_URI or the embedded SQLite store."""
+    return credentials.adopt(recipe.tracking.uri) if recipe.tracking.uri else default_uri()
+
+
 def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: Optional[str] = None,
              wait_s: float = 0.0) -> Optional[str]:
     """Spool the run's creation (first launch) or its continuation and deliver it now, so the store
@@ -91,7 +97,7 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: 
     if not recipe.tracking.enabled:
         return None
     spool = Spool(run_dir)
-    uri = credentials.adopt(recipe.tracking.uri) if recipe.tracking.uri else default_uri()
+    uri = tracking_uri(recipe)
     experiment = resolved.redact_text(recipe.tracking.experiment)
     key = hashlib.sha256(f"{job}\n{experiment}\n{recipe.name}".encode()).hexdigest()[:32] if job else uuid.uuid4().hex
     create = [{"op": "create", "uri": uri, "experiment": experiment, "key": key,
@@ -111,6 +117,37 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: 
     if error:
         where += f" (unreachable now: {error}; {pending} record(s) kept in {spool.path}, delivered later)"
     return where
+
+
+# --------------------------------------------------------------------------- runs that group other runs
+def open_parent_run(run_dir: Path, resolved, run_name: str, tags: dict, params: dict) -> tuple[int, Optional[str]]:
+    """Spool and deliver a run that is not a training run but groups some (`trainkit tune`'s), in the
+    recipe's store and experiment; returns deliver()'s (pending, error): with the server down, it waits
+    in RUN_DIR's spool like a training run's records."""
+    Spool(run_dir).append([
+        {"op": "create", "uri": tracking_uri(resolved.recipe), "key": uuid.uuid4().hex, "run_name": run_name,
+         "experiment": resolved.redact_text(resolved.recipe.tracking.experiment), "ts": _now_ms(), "tags": tags},
+        {"op": "params", "params": params}])
+    return deliver(run_dir)
+
+
+def link_to_parent(run_dir: Path, parent_dir: Path, tags: dict, metrics: dict[str, float]) -> None:
+    """Spool, for the run in RUN_DIR, `mlflow.parentRunId` naming the run spooled in PARENT_DIR (sent
+    only once that one exists in MLflow, see delivery's `link`), plus tags and step-0 metrics."""
+    Spool(run_dir).append([{"op": "link", "tag": "mlflow.parentRunId", "run_dir": str(parent_dir)},
+                           {"op": "tags", "tags": tags}] +
+                          [{"op": "metric", "key": k, "value": float(v), "ts": _now_ms(), "step": 0}
+                           for k, v in metrics.items()])
+
+
+def close_parent_run(run_dir: Path, status: str, metrics: dict[str, float], tags: dict,
+                     artifacts: Sequence[Path] = ()) -> None:
+    """Spool the end of an open_parent_run run (the caller delivers)."""
+    Spool(run_dir).append([{"op": "metric", "key": k, "value": float(v), "ts": _now_ms(), "step": 0}
+                           for k, v in metrics.items()] +
+                          ([{"op": "tags", "tags": tags}] if tags else []) +
+                          [{"op": "artifact", "path": str(p)} for p in artifacts] +
+                          [{"op": "status", "status": status, "ts": _now_ms()}])
 
 
 def continue_in_new_run(run_dir: Path, step: int, recipe_data: dict, reason: Optional[str]) -> None:
