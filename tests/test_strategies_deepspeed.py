@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from run_helpers import losses, summary, trainkit
-from strategy_runs import RTOL, STEPS, recipe, resume_from_step_10, run, single_process_losses
+from strategy_runs import RTOL, STEPS, deepspeed_env, recipe, resume_from_step_10, run, single_process_losses
 
 pytestmark = pytest.mark.distributed
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -26,10 +26,7 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 @pytest.fixture(scope="module")
 def ext(request, tmp_path_factory) -> dict:
-    """DeepSpeed JIT-compiles its CPU comm op once (~40 s): keep it in pytest's cache across sessions."""
-    cache = getattr(request.config, "cache", None)  # absent under `-p no:cacheprovider`
-    folder = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
-    return {"TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}
+    return deepspeed_env(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,14 @@ import json
 import pytest
 
 from run_helpers import losses, summary
-from strategy_runs import RTOL, recipe, run, single_process_losses
+from strategy_runs import RTOL, deepspeed_env, recipe, run, single_process_losses
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def ext(request, tmp_path_factory) -> dict:
-    cache = getattr(request.config, "cache", None)  # the same JIT cache as test_strategies_deepspeed
-    folder = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
-    return {"TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}
+    return deepspeed_env(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
