@@ -130,7 +130,10 @@ def load_yaml_text(text: str, file: str) -> tuple[dict[str, Any], dict[Path_, Lo
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise _fail(file, f"YAML syntax error: {exc.problem or exc.context}", line, col) from None
+        problem = str(exc.problem or exc.context)
+        if "nesting depth" in problem:  # libyaml >= 0.2.5 stops at 1000 levels before we get to count
+            raise _fail(file, f"nested deeper than {MAX_DEPTH} levels", line, col) from None
+        raise _fail(file, f"YAML syntax error: {problem}", line, col) from None
     except yaml.YAMLError as exc:
         raise _fail(file, f"YAML error: {exc}") from None
     except RecursionError:
