@@ -157,7 +157,8 @@ def test_ctrl_c_stops_the_running_trial_at_once_and_still_reports(tmp_path):
     """Guards the interruption promise (docs/tune.md): SIGINT to `trainkit tune` (what Ctrl-C sends to
     the foreground process group; the trials run in sessions of their own, so only tune can stop
     them) during a trial: exit 130 within seconds, the report of what was measured, no tuned recipe,
-    no trial process left running and no trial run directory left behind."""
+    no trial process left running and no trial run directory left behind. In MLflow the tune run is
+    KILLED with its report, and the interrupted trial's run is KILLED and linked to it, once."""
     import os
     import signal
     import subprocess
@@ -168,7 +169,8 @@ def test_ctrl_c_stops_the_running_trial_at_once_and_still_reports(tmp_path):
     from run_helpers import env_for
 
     recipe = mlp_recipe(tmp_path, "stopped", trainer={"max_steps": 400, "log_every": 1,
-                                                      "checkpoint": {"every": 1000, "keep": 1}})
+                                                      "checkpoint": {"every": 1000, "keep": 1}},
+                        tracking={"enabled": True, "experiment": "tune"})
     proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "tune", str(recipe), "--knobs", "static_graph",
                              "--steps", "400", "--budget", "10"], cwd=tmp_path, env=env_for(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -199,6 +201,19 @@ def test_ctrl_c_stops_the_running_trial_at_once_and_still_reports(tmp_path):
             if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))]
     assert not left, left
     assert not any((tmp_path / "runs").glob("*")), list((tmp_path / "runs").rglob("*"))[:5]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tune").experiment_id])
+    parents = [x for x in runs if x.data.tags.get("trainkit.tune") == "parent"]
+    assert len(parents) == 1 and parents[0].info.status == "KILLED", [(x.info.status, x.data.tags) for x in runs]
+    assert [a.path for a in client.list_artifacts(parents[0].info.run_id)] == ["stopped.tuned.report.md"]
+    children = [x for x in runs if x is not parents[0]]
+    assert len(children) == 1, [x.data.tags for x in runs]  # the interrupted baseline, not duplicated
+    child = children[0]
+    assert child.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id
+    assert child.data.tags.get("trainkit.tune.change") == "baseline" and child.info.status == "KILLED"
 
 
 def test_bad_input_is_refused_before_anything_runs(tmp_path):
