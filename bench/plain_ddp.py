@@ -23,11 +23,15 @@ def main():
     p.add_argument("--model", default="{}")
     p.add_argument("--out", required=True)
     p.add_argument("--compile", action="store_true", help="DDP(torch.compile(model)): the order that compiles")
+    p.add_argument("--compile-in-place", action="store_true",
+                   help="model.compile() then DDP(model): how trainkit compiles (same parameter names)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = mlp(**json.loads(args.model))
+    if args.compile_in_place:
+        net.compile()
     model = DDP(torch.compile(net) if args.compile else net)
     data = SyntheticDataset(8192, [3, 32, 32], 10, seed=0)  # the same data trainkit's `synthetic` makes
     sampler = DistributedSampler(data, shuffle=True, seed=0)
