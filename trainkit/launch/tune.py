@@ -121,14 +121,17 @@ class Tuner:
         self.workdir.mkdir(parents=True, exist_ok=False)
         self._open_parent()
         interrupted = False
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # SIGINT too, explicitly: a process started in the background by a non-interactive shell (CI
+        # scripts, `cmd &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+        previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             code = self._tune()
         except KeyboardInterrupt:
             interrupted, code = True, 130
             self.stopped = "interrupted (Ctrl-C): the report shows what was measured until then"
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
         if code == 2:
             self._close_parent("FAILED")
             self._cleanup()
