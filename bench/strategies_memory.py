@@ -24,7 +24,6 @@ slowest stage's forward+backward per micro-batch, measured alone on each rank (n
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -34,8 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-_LIBC = ctypes.CDLL("libc.so.6")
-TRIM = os.environ.get("TRAINKIT_BENCH_TRIM") == "1"  # experiment: glibc malloc_trim(0) after each step
 PHASES = os.environ.get("TRAINKIT_BENCH_PHASES") == "1"  # --phases; the workers read it from the environment
 DEPTH = int(os.environ.get("TRAINKIT_BENCH_DEPTH", "7"))  # --depth; the workers read it from the environment
 MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": DEPTH}}
@@ -160,8 +157,6 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
             reset_peak()
         t1 = time.perf_counter()
         strategy.optimizer_step(model, optimizer, precision, None)
-        if TRIM:
-            _LIBC.malloc_trim(0)
         if PHASES:
             phases.append({"step": i, "rss_before": before, "fb_peak": fb_peak, "rss_after_fb": after_fb,
                            "opt_peak": proc_status("VmHWM"), "rss_after": proc_status("VmRSS")})
