@@ -7,6 +7,7 @@
     python bench/overhead.py monitors --each   # ... and each monitor alone
     python bench/overhead.py framework --compile   # both sides compiled: DDP(torch.compile(m)) / performance.compile
     python bench/overhead.py compile     # trainkit, a conv model (small_cnn): eager vs performance.compile
+    python bench/overhead.py compiled-gap   # where the compiled pair's gap is not: the launcher, DDP's buckets
 
 Each configuration trains the same MLP on the same synthetic data for --steps steps, --repeats times,
 alternating configurations so machine noise hits them alike. Reported per configuration: the median
@@ -78,13 +79,32 @@ def run_trainkit(folder: Path, path: Path, name: str, warmup: int, env: dict) ->
     return (by_step[last] - by_step[first]) / (last - first), summary["first_step_at"] - start
 
 
+def run_worker_under_torchrun(folder: Path, name: str, warmup: int, env: dict) -> tuple[float, float]:
+    """trainkit's training worker on a run dir `trainkit run` prepared, launched by plain torchrun
+    instead of `trainkit run` (its launcher, lock, agent settings and log redirection left out)."""
+    run_dir = folder / "runs" / name
+    env = {k: v for k, v in env.items() if k != "TRAINKIT_LAUNCHER_PID"}
+    start = time.time()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "trainkit.runtime.worker", str(run_dir)], cwd=folder, env=env,
+                         capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        sys.exit(f"worker under torchrun failed:\n{res.stdout}\n{res.stderr}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["time"] for r in rows}
+    first, last = min(s for s in by_step if s >= warmup), max(by_step)
+    (run_dir / "metrics.jsonl").unlink()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return (by_step[last] - by_step[first]) / (last - first), summary["first_step_at"] - start
+
+
 def run_plain(folder: Path, steps: int, warmup: int, log_every: int, env: dict,
-              compiled: bool = False) -> tuple[float, float]:
+              compiled: bool = False, extra: tuple = ()) -> tuple[float, float]:
     out = folder / "plain.json"
     start = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(PLAIN),
            "--steps", str(steps), "--batch", str(BATCH), "--log-every", str(log_every), "--out", str(out),
-           "--model", json.dumps(MODEL)] + (["--compile"] if compiled else [])
+           "--model", json.dumps(MODEL)] + (["--compile"] if compiled else []) + list(extra)
     res = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         sys.exit(f"plain script failed:\n{res.stdout}\n{res.stderr}")
@@ -114,7 +134,7 @@ def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("compare", choices=["framework", "tracking", "monitors", "compile"])
+    parser.add_argument("compare", choices=["framework", "tracking", "monitors", "compile", "compiled-gap"])
     parser.add_argument("--compile", action="store_true", help="framework: both sides compiled")
     parser.add_argument("--each", action="store_true", help="monitors: also each monitor alone")
     parser.add_argument("--monitors", action="store_true",
@@ -143,6 +163,15 @@ def main() -> None:
         if args.monitors:  # the issue's goal holds "with and without monitors": trainkit + monitors vs plain
             configs[f"trainkit run + {'+'.join(ALL_MONITORS)}"] = tk(
                 "framework-mon", monitors=list(ALL_MONITORS), **({"performance": {"compile": True}} if c else {}))
+    elif args.compare == "compiled-gap":  # all compiled; the first config is the plain script, as in framework
+        configs = {"plain torchrun DDP script (compiled)": lambda: run_plain(folder, steps, args.warmup, le, env, True),
+                   "trainkit run (performance.compile)": tk("gap", performance={"compile": True}),
+                   # after `trainkit run` made the run dir: is the gap in the launcher or in the worker?
+                   "trainkit's worker under plain torchrun": lambda: run_worker_under_torchrun(
+                       folder, "gap", args.warmup, env),
+                   # trainkit passes bucket_cap_mb=25 explicitly, which drops DDP's 1 MiB first bucket
+                   "plain script, bucket_cap_mb=25 explicit": lambda: run_plain(
+                       folder, steps, args.warmup, le, env, True, ("--bucket-cap-mb", "25"))}
     elif args.compare == "compile":
         configs = {"small_cnn eager": tk("eager", model=CONV),
                    "small_cnn performance.compile": tk("compiled", model=CONV, performance={"compile": True})}

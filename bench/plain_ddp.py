@@ -25,6 +25,8 @@ def main():
     p.add_argument("--compile", action="store_true", help="DDP(torch.compile(model)): the order that compiles")
     p.add_argument("--compile-in-place", action="store_true",
                    help="model.compile() then DDP(model): how trainkit compiles (same parameter names)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="pass DDP an explicit bucket_cap_mb (None: torch's default, 25 MiB with a 1 MiB first bucket)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -32,7 +34,7 @@ def main():
     net = mlp(**json.loads(args.model))
     if args.compile_in_place:
         net.compile()
-    model = DDP(torch.compile(net) if args.compile else net)
+    model = DDP(torch.compile(net) if args.compile else net, bucket_cap_mb=args.bucket_cap_mb)
     data = SyntheticDataset(8192, [3, 32, 32], 10, seed=0)  # the same data trainkit's `synthetic` makes
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
