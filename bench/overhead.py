@@ -70,12 +70,17 @@ def run_trainkit(folder: Path, path: Path, name: str, warmup: int, env: dict) ->
                          capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         sys.exit(f"trainkit run failed:\n{res.stdout}\n{res.stderr}")
-    run_dir = folder / "runs" / name
+    return run_timing(folder / "runs" / name, warmup, start)
+
+
+def run_timing(run_dir: Path, warmup: int, start: float) -> tuple[float, float]:
+    """(steady-state s/step from step `warmup` on, command to first step) of a finished trainkit run,
+    from its metrics.jsonl and summary.json; the metrics file is removed so the next repeat starts clean."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r["time"] for r in rows}
     first, last = min(s for s in by_step if s >= warmup), max(by_step)
     summary = json.loads((run_dir / "summary.json").read_text())
-    (run_dir / "metrics.jsonl").unlink()  # the next repeat starts clean
+    (run_dir / "metrics.jsonl").unlink()
     return (by_step[last] - by_step[first]) / (last - first), summary["first_step_at"] - start
 
 
@@ -90,12 +95,7 @@ def run_worker_under_torchrun(folder: Path, name: str, warmup: int, env: dict) -
                          capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         sys.exit(f"worker under torchrun failed:\n{res.stdout}\n{res.stderr}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    by_step = {r["step"]: r["time"] for r in rows}
-    first, last = min(s for s in by_step if s >= warmup), max(by_step)
-    (run_dir / "metrics.jsonl").unlink()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return (by_step[last] - by_step[first]) / (last - first), summary["first_step_at"] - start
+    return run_timing(run_dir, warmup, start)
 
 
 def run_plain(folder: Path, steps: int, warmup: int, log_every: int, env: dict,
