@@ -163,6 +163,10 @@ def main() -> None:
         if args.monitors:  # the goal holds "with and without monitors": trainkit + monitors vs plain
             configs[f"trainkit run + {'+'.join(ALL_MONITORS)}"] = tk(
                 "framework-mon", monitors=list(ALL_MONITORS), **({"performance": {"compile": True}} if c else {}))
+        # trainkit keeps freed host memory on the CPU (performance.host_allocator: auto); the plain script
+        # with the same malloc settings shows what the framework itself costs, allocator equal
+        configs[f"plain script{' (compiled)' if c else ''}, host allocator retain"] = lambda: run_plain(
+            folder, steps, args.warmup, le, env, compiled=c, extra=("--host-allocator", "retain"))
     elif args.compare == "compiled-gap":  # all compiled; the first config is the plain script, as in framework
         configs = {"plain torchrun DDP script (compiled)": lambda: run_plain(folder, steps, args.warmup, le, env, True),
                    "trainkit run (performance.compile)": tk("gap", performance={"compile": True}),
@@ -207,6 +211,13 @@ def main() -> None:
         pairs = [s / b for (s, _), (b, _) in zip(values, base_values)]
         spread = f"{statistics.median(pairs):.3f} ({min(pairs):.3f}-{max(pairs):.3f})"
         print(f"{name:<52} {step:>16.4f} {step / base:>7.3f} {spread:>36} {first:>14.2f} {first / base_first:>7.2f}")
+    equal = next((n for n in results if n.endswith("host allocator retain")), None)
+    if equal is not None:  # the framework's own cost: trainkit against the plain script, allocator equal
+        print(f"\nper-repeat ratio against '{equal}' (same malloc settings on both sides):")
+        for name, values in results.items():
+            if name.startswith("trainkit"):
+                pairs = [s / b for (s, _), (b, _) in zip(values, results[equal])]
+                print(f"  {name:<50} {statistics.median(pairs):.3f} ({min(pairs):.3f}-{max(pairs):.3f})")
 
 
 if __name__ == "__main__":

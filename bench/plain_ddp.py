@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainkit.models import mlp
+from trainkit.runtime import host_allocator
 from trainkit.runtime.data import SyntheticDataset
 
 
@@ -27,7 +28,11 @@ def main():
                    help="model.compile() then DDP(model): how trainkit compiles (same parameter names)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="pass DDP an explicit bucket_cap_mb (None: torch's default, 25 MiB with a 1 MiB first bucket)")
+    p.add_argument("--host-allocator", choices=["system", "retain"], default="system",
+                   help="retain: glibc keeps freed host memory, as trainkit's performance.host_allocator "
+                        "(auto) does on the CPU -- to measure the framework with the allocator equal")
     args = p.parse_args()
+    host_allocator.apply(args.host_allocator)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)

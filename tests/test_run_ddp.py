@@ -51,6 +51,12 @@ def test_replicas_hold_identical_parameters_after_training(reference):
     assert len(s["replica_digests"]) == 2 and s["replicas_identical"], s["replica_digests"]
 
 
+def test_a_cpu_run_keeps_freed_host_memory_for_reuse(reference):
+    """performance.host_allocator: auto is `retain` on the CPU, set in each worker (the value is what
+    runtime.host_allocator.apply reports; tests/test_host_allocator.py shows it in effect)."""
+    assert summary(reference)["host_allocator"] == "retain"
+
+
 def test_grad_accumulation_matches_the_larger_batch(reference, tmp_path):
     """4 micro-steps of batch 2 per rank (no_sync on the first 3) == one step of batch 8 per rank."""
     recipe = mlp_recipe(tmp_path, "accum", data={"batch_size": 2},

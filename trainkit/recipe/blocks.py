@@ -397,6 +397,10 @@ class PerformanceOptions(Block):
     activation_checkpointing: Union[Literal["none", "full", "selective"], ActivationCheckpointingOptions] = Field(
         default="none", description="none | full | selective, or {mode, blocks, every_n_blocks}: recompute "
                                     "blocks in backward (less memory, ~1 extra forward)")
+    host_allocator: Literal["auto", "retain", "system"] = Field(
+        default="auto", description="auto | retain | system: retain keeps freed host memory in the process for "
+                                    "reuse (no page faults re-allocating each step's tensors; resident memory stays "
+                                    "at its high-water mark); auto: retain when training on the CPU")
 
     @property
     def compile_options(self) -> Optional[CompileOptions]:

@@ -40,6 +40,7 @@ from .accelerator import accelerator_for
 from .checkpoint import Checkpointer, DiskFullError, decide_resume, saved_recipe
 from .checkpoint_layout import disk_full_message, disk_too_full, failed_save
 from .data import build_datasets, die_with_parent, make_loader
+from .host_allocator import apply as apply_host_allocator, resolve as resolve_host_allocator
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
 from .model import build_initial_model
@@ -369,12 +370,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     accelerator = accelerator_for(recipe, cuda_available=torch.cuda.is_available(),
                                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     device = accelerator.device
+    # before the model, optimizer and data allocate: glibc settings apply to later allocations
+    host_allocator = apply_host_allocator(resolve_host_allocator(recipe.performance.host_allocator, device.type))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     dist.init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
         summary = train(run_dir, recipe, resolved.redacted(), device)  # what checkpoints record: no secrets
+        summary["host_allocator"] = host_allocator
         if dist.get_rank() == 0:
             console = write_reports(run_dir, recipe, summary)
             report(run_dir, summary)

@@ -1,0 +1,86 @@
+"""How the training process's malloc treats large host blocks (`performance.host_allocator`).
+
+Why: on the CPU every tensor lives in malloc'd host memory, and glibc's defaults hand a large freed
+block back to the kernel (blocks from mmap, and a heap top over the trim threshold). A training step
+frees and re-allocates the same large tensors every step -- gradients (`zero_grad(set_to_none=True)`
+after the optimizer step), the optimizer's temporaries, activations -- so each step faults every page
+of them in again, zero-filled by the kernel. Measured on the overhead bench's 14M-parameter MLP (2
+ranks on this machine's 2 cores): about 110k minor page faults per second per rank and roughly a fifth
+of the step spent in the kernel (docs/benchmarks.md, "Host allocator").
+
+`retain` tells glibc (mallopt) to serve blocks up to `RETAIN_BYTES` from its heap and to keep up to
+`RETAIN_BYTES` of freed heap instead of trimming it: a freed block is reused by the next step's
+allocation of the same size without a page fault. The cost is that memory freed inside the process is
+not returned to the kernel: resident memory stays near the run's high-water mark, where with the
+defaults it drops between steps. `auto` chooses `retain` when the run trains on the CPU; on a GPU the
+tensors live in CUDA's caching allocator (which already reuses its blocks) and host memory is left as
+the system sets it.
+
+Hand-written over ctypes because the only alternatives are process-wide environment settings that
+must exist before the interpreter starts (`GLIBC_TUNABLES`, `MALLOC_*_` variables) or preloading
+another allocator (jemalloc/tcmalloc through LD_PRELOAD, what torch.backends.xeon.run_cpu does) that
+the machine may not have. mallopt is glibc's documented API and takes effect for later allocations;
+forked DataLoader workers inherit it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+from typing import Optional
+
+# mallopt(3) parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+# Blocks up to this size come from the heap; this much freed heap is kept. 1 GiB: above any single
+# tensor a step of the models trainkit trains on a CPU frees and re-allocates, below mallopt's int limit.
+RETAIN_BYTES = 1 << 30
+# glibc releases before 2.35 refuse an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit)
+FALLBACK_MMAP_BYTES = 32 << 20
+
+POLICIES = ("auto", "retain", "system")
+
+
+def resolve(option: str, device_type: str) -> str:
+    """The policy a run gets: `auto` is `retain` on the CPU and `system` elsewhere."""
+    if option not in POLICIES:
+        raise ValueError(f"performance.host_allocator: {option!r} is not one of {', '.join(POLICIES)}")
+    if option == "auto":
+        return "retain" if device_type == "cpu" else "system"
+    return option
+
+
+def _glibc() -> Optional[ctypes.CDLL]:
+    """This process's C library when it is glibc (mallopt's parameters are glibc's), else None."""
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+    except (ValueError, OSError, AttributeError):  # not a glibc system (musl, macOS, Windows)
+        return None
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "mallopt") else None
+
+
+def apply(policy: str) -> str:
+    """Set this process's malloc for `policy` (`retain` or `system`); returns what is in effect, as the
+    run's summary records it: "retain", "system", or "system (<why retain could not be set>)"."""
+    if policy == "system":
+        return "system"  # nothing to undo: a process starts with the system's settings
+    if policy != "retain":
+        raise ValueError(f"host allocator policy {policy!r}: expected retain or system")
+    libc = _glibc()
+    if libc is None:
+        return "system (retain needs glibc's mallopt; this C library is not glibc)"
+    mmap_bytes = RETAIN_BYTES if libc.mallopt(M_MMAP_THRESHOLD, RETAIN_BYTES) else FALLBACK_MMAP_BYTES
+    if mmap_bytes == FALLBACK_MMAP_BYTES and not libc.mallopt(M_MMAP_THRESHOLD, FALLBACK_MMAP_BYTES):
+        return "system (glibc refused mallopt(M_MMAP_THRESHOLD))"
+    if not libc.mallopt(M_TRIM_THRESHOLD, RETAIN_BYTES):
+        return "system (glibc refused mallopt(M_TRIM_THRESHOLD))"
+    return "retain" if mmap_bytes == RETAIN_BYTES else f"retain (blocks up to {mmap_bytes >> 20} MiB)"
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (pages the kernel had to map and zero on first touch)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
