@@ -35,6 +35,7 @@ from pathlib import Path
 
 PHASES = os.environ.get("TRAINKIT_BENCH_PHASES") == "1"  # --phases; the workers read it from the environment
 DEPTH = int(os.environ.get("TRAINKIT_BENCH_DEPTH", "7"))  # --depth; the workers read it from the environment
+HOST_ALLOCATOR = os.environ.get("TRAINKIT_BENCH_HOST_ALLOCATOR", "auto")  # --host-allocator (in each recipe)
 MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": DEPTH}}
 CONFIGS = {  # "init": model.init (default auto: seeded for FSDP and ZeRO-3, constructor otherwise)
     "ddp": {"name": "ddp"},
@@ -62,6 +63,7 @@ def write_recipe(folder: Path, label: str, strategy: dict) -> Path:
         "strategy": strategy, "precision": "fp32",
         "optimizer": {"name": "adamw", "lr": 1.0e-4},
         "trainer": {"max_steps": 10}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False},
+        "performance": {"host_allocator": HOST_ALLOCATOR},
     }
     path = folder / f"{label}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -105,6 +107,7 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
 
     from trainkit import registry
     from trainkit.recipe import resolve
+    from trainkit.runtime import host_allocator
     from trainkit.runtime.model import build_initial_model
     from trainkit.runtime.optim import build_optimizer
     from trainkit.runtime.precision import Precision
@@ -112,6 +115,10 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
     recipe = resolve(recipe_path).recipe
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    # as trainkit's worker does, before anything large is allocated (performance.host_allocator)
+    shards = registry.component(recipe.strategy).shards_parameters(recipe.strategy)
+    allocator = host_allocator.apply(host_allocator.resolve(recipe.performance.host_allocator, device.type,
+                                                            shards_parameters=shards))
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -167,7 +174,7 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
         if i:  # the first step allocates optimizer state and warms up
             times.append(t2 - t0)
             opt_times.append(t2 - t1)
-    result = {"rank": rank, "params": n_params, "init": init, "state_bytes": state_bytes(strategy, model, optimizer),
+    result = {"rank": rank, "params": n_params, "init": init, "host_allocator": allocator, "state_bytes": state_bytes(strategy, model, optimizer),
               "step_s": statistics.median(times), "optimizer_s": statistics.median(opt_times),
               "peak_bytes": peak(), "start_peak_bytes": start_peak, "setup_peak_bytes": setup_peak,
               "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS"}
@@ -235,16 +242,16 @@ def table(results: dict[str, list[dict]]) -> str:
     ddp_step = max(r["step_s"] for r in ddp)
     kind = ddp[0]["peak_kind"]
     ddp_above = max(r["peak_bytes"] - r["start_peak_bytes"] for r in ddp)
-    lines = [f"| strategy | model.init | model+optimizer state / rank (GiB) | vs DDP | {kind} / rank (GiB) | vs DDP | "
+    lines = [f"| strategy | model.init | host allocator | model+optimizer state / rank (GiB) | vs DDP | {kind} / rank (GiB) | vs DDP | "
              f"{kind} above the process before the model (GiB) | vs DDP | {kind} after setup, before training (GiB) | "
-             f"step time (s) | vs DDP |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"step time (s) | vs DDP |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in ("ddp", "fsdp", "fsdp-constructor", "zero2", "zero3", "zero3-constructor"):
         rs = results[label]
         state, peak, step, setup = (max(r[k] for r in rs) for k in ("state_bytes", "peak_bytes", "step_s",
                                                                       "setup_peak_bytes"))
         above = max(r["peak_bytes"] - r["start_peak_bytes"] for r in rs)
         per_rank = ", ".join(f"{r['state_bytes'] / gb:.2f}" for r in rs)
-        lines.append(f"| {label} | {rs[0]['init']} | {state / gb:.2f} ({per_rank}) | "
+        lines.append(f"| {label} | {rs[0]['init']} | {rs[0]['host_allocator']} | {state / gb:.2f} ({per_rank}) | "
                      f"{state / ddp_state:.2f}x | {peak / gb:.2f} | {peak / ddp_peak:.2f}x | {above / gb:.2f} | "
                      f"{above / ddp_above:.2f}x | {setup / gb:.2f} | {step:.2f} | {step / ddp_step:.2f}x |")
     lines += ["", "| pipeline schedule | measured step (s) | slowest stage fwd+bwd / micro-batch (s) | "
@@ -284,7 +291,13 @@ def main() -> int:
     ap.add_argument("--depth", type=int, help="MLP depth (default 7: 105 M parameters; 14: 206 M)")
     ap.add_argument("--phases", action="store_true", help="CPU on Linux: also each step's peak RSS in "
                     "forward+backward and in the optimizer step (/proc/self/clear_refs), printed per rank")
+    ap.add_argument("--host-allocator", choices=["auto", "retain", "release", "system"],
+                    help="performance.host_allocator of every recipe (default auto, as in a trainkit run: release "
+                         "for FSDP/ZeRO-3 on the CPU, retain otherwise)")
     args = ap.parse_args()
+    if args.host_allocator and not args.worker:
+        os.environ["TRAINKIT_BENCH_HOST_ALLOCATOR"] = args.host_allocator
+        globals()["HOST_ALLOCATOR"] = args.host_allocator
     if args.phases and not args.worker:
         os.environ["TRAINKIT_BENCH_PHASES"] = "1"
     if args.depth and not args.worker:

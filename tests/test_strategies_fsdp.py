@@ -45,6 +45,12 @@ def test_fsdp_follows_the_one_process_loss_trajectory(single, fsdp_run):
     assert summary(run_dir)["replicas_identical"]
 
 
+def test_fsdp_on_the_cpu_gives_freed_host_memory_back(fsdp_run):
+    """performance.host_allocator: auto is `release` for a strategy that shards the parameters (chosen to
+    save memory), set in each worker (tests/test_host_allocator.py shows `release` in effect)."""
+    assert summary(fsdp_run[2])["host_allocator"] == "release"
+
+
 def test_fsdp_resume_repeats_the_uninterrupted_run_exactly(fsdp_run):
     tmp, path, run_dir = fsdp_run
     uninterrupted = losses(run_dir)[:STEPS]

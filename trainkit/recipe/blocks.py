@@ -397,10 +397,12 @@ class PerformanceOptions(Block):
     activation_checkpointing: Union[Literal["none", "full", "selective"], ActivationCheckpointingOptions] = Field(
         default="none", description="none | full | selective, or {mode, blocks, every_n_blocks}: recompute "
                                     "blocks in backward (less memory, ~1 extra forward)")
-    host_allocator: Literal["auto", "retain", "system"] = Field(
-        default="auto", description="auto | retain | system: retain keeps freed host memory in the process for "
-                                    "reuse (no page faults re-allocating each step's tensors; resident memory stays "
-                                    "at its high-water mark); auto: retain when training on the CPU")
+    host_allocator: Literal["auto", "retain", "release", "system"] = Field(
+        default="auto", description="glibc malloc for host memory: retain keeps freed memory for reuse (fast: no "
+                                    "page faults re-allocating each step's tensors; resident memory stays at its "
+                                    "high-water mark), release returns blocks >= 1 MiB at once (lowest memory), "
+                                    "system leaves glibc's defaults; auto on the CPU: release for FSDP/ZeRO-3, "
+                                    "retain otherwise; system on GPUs")
 
     @property
     def compile_options(self) -> Optional[CompileOptions]:

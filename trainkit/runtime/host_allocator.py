@@ -11,10 +11,16 @@ of the step spent in the kernel (docs/benchmarks.md, "Host allocator").
 `retain` tells glibc (mallopt) to serve blocks up to `RETAIN_BYTES` from its heap and to keep up to
 `RETAIN_BYTES` of freed heap instead of trimming it: a freed block is reused by the next step's
 allocation of the same size without a page fault. The cost is that memory freed inside the process is
-not returned to the kernel: resident memory stays near the run's high-water mark, where with the
-defaults it drops between steps. `auto` chooses `retain` when the run trains on the CPU; on a GPU the
-tensors live in CUDA's caching allocator (which already reuses its blocks) and host memory is left as
-the system sets it.
+not returned to the kernel: resident memory stays near the run's high-water mark.
+
+`release` is the opposite trade: every block of `RELEASE_BYTES` or more is mmap'd and returned to the
+kernel when freed (glibc's dynamic threshold would otherwise rise and keep mid-sized blocks in the
+heap, where they fragment it). Lowest resident memory, a page fault per page of each re-allocation.
+
+`auto` follows what the run's strategy was chosen for. On the CPU, a strategy that shards the
+parameters (FSDP, ZeRO-3) is there to lower memory per rank: `release`; one that replicates them
+(DDP, ZeRO-1/2, the pipeline) gets `retain`, for speed. On a GPU the tensors live in CUDA's caching
+allocator (which already reuses its blocks) and host memory is left as the system sets it.
 
 Hand-written over ctypes because the only alternatives are process-wide environment settings that
 must exist before the interpreter starts (`GLIBC_TUNABLES`, `MALLOC_*_` variables) or preloading
@@ -37,19 +43,24 @@ M_MMAP_THRESHOLD = -3
 # Blocks up to this size come from the heap; this much freed heap is kept. 1 GiB: above any single
 # tensor a step of the models trainkit trains on a CPU frees and re-allocates, below mallopt's int limit.
 RETAIN_BYTES = 1 << 30
+# blocks this large or larger are returned to the kernel at free under `release`
+RELEASE_BYTES = 1 << 20
 # glibc releases before 2.35 refuse an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit)
 FALLBACK_MMAP_BYTES = 32 << 20
 
-POLICIES = ("auto", "retain", "system")
+POLICIES = ("auto", "retain", "release", "system")
 
 
-def resolve(option: str, device_type: str) -> str:
-    """The policy a run gets: `auto` is `retain` on the CPU and `system` elsewhere."""
+def resolve(option: str, device_type: str, *, shards_parameters: bool = False) -> str:
+    """The policy a run gets. `auto`: on the CPU, `release` when the strategy shards the parameters
+    (chosen to save memory) and `retain` otherwise (speed); `system` on other devices."""
     if option not in POLICIES:
         raise ValueError(f"performance.host_allocator: {option!r} is not one of {', '.join(POLICIES)}")
-    if option == "auto":
-        return "retain" if device_type == "cpu" else "system"
-    return option
+    if option != "auto":
+        return option
+    if device_type != "cpu":
+        return "system"
+    return "release" if shards_parameters else "retain"
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
@@ -64,15 +75,20 @@ def _glibc() -> Optional[ctypes.CDLL]:
 
 
 def apply(policy: str) -> str:
-    """Set this process's malloc for `policy` (`retain` or `system`); returns what is in effect, as the
-    run's summary records it: "retain", "system", or "system (<why retain could not be set>)"."""
+    """Set this process's malloc for `policy` (`retain`, `release` or `system`); returns what is in
+    effect, as the run's summary records it: the policy's name, or "system (<why it could not be set>)"."""
     if policy == "system":
         return "system"  # nothing to undo: a process starts with the system's settings
-    if policy != "retain":
-        raise ValueError(f"host allocator policy {policy!r}: expected retain or system")
+    if policy not in ("retain", "release"):
+        raise ValueError(f"host allocator policy {policy!r}: expected retain, release or system")
     libc = _glibc()
     if libc is None:
-        return "system (retain needs glibc's mallopt; this C library is not glibc)"
+        return f"system ({policy} needs glibc's mallopt; this C library is not glibc)"
+    if policy == "release":
+        # a fixed threshold also turns glibc's dynamic threshold (and trim threshold) adjustment off
+        if not libc.mallopt(M_MMAP_THRESHOLD, RELEASE_BYTES):
+            return "system (glibc refused mallopt(M_MMAP_THRESHOLD))"
+        return "release"
     mmap_bytes = RETAIN_BYTES if libc.mallopt(M_MMAP_THRESHOLD, RETAIN_BYTES) else FALLBACK_MMAP_BYTES
     if mmap_bytes == FALLBACK_MMAP_BYTES and not libc.mallopt(M_MMAP_THRESHOLD, FALLBACK_MMAP_BYTES):
         return "system (glibc refused mallopt(M_MMAP_THRESHOLD))"
