@@ -116,9 +116,9 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     # as trainkit's worker does, before anything large is allocated (performance.host_allocator)
-    shards = registry.component(recipe.strategy).shards_parameters(recipe.strategy)
+    cpu_default = registry.component(recipe.strategy).host_allocator_on_cpu
     allocator = host_allocator.apply(host_allocator.resolve(recipe.performance.host_allocator, device.type,
-                                                            shards_parameters=shards))
+                                                            cpu_default=cpu_default))
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -292,8 +292,8 @@ def main() -> int:
     ap.add_argument("--phases", action="store_true", help="CPU on Linux: also each step's peak RSS in "
                     "forward+backward and in the optimizer step (/proc/self/clear_refs), printed per rank")
     ap.add_argument("--host-allocator", choices=["auto", "retain", "release", "system"],
-                    help="performance.host_allocator of every recipe (default auto, as in a trainkit run: release "
-                         "for FSDP/ZeRO-3 on the CPU, retain otherwise)")
+                    help="performance.host_allocator of every recipe (default auto, as in a trainkit run: each "
+                         "strategy's host_allocator_on_cpu)")
     args = ap.parse_args()
     if args.host_allocator and not args.worker:
         os.environ["TRAINKIT_BENCH_HOST_ALLOCATOR"] = args.host_allocator

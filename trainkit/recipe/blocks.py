@@ -401,8 +401,8 @@ class PerformanceOptions(Block):
         default="auto", description="glibc malloc for host memory: retain keeps freed memory for reuse (fast: no "
                                     "page faults re-allocating each step's tensors; resident memory stays at its "
                                     "high-water mark), release returns blocks >= 1 MiB at once (lowest memory), "
-                                    "system leaves glibc's defaults; auto on the CPU: release for FSDP/ZeRO-3, "
-                                    "retain otherwise; system on GPUs")
+                                    "system leaves glibc's defaults; auto on the CPU: the strategy's choice "
+                                    "(retain for ddp and pipeline, release for fsdp and deepspeed); system on GPUs")
 
     @property
     def compile_options(self) -> Optional[CompileOptions]:

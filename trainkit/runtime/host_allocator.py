@@ -17,10 +17,13 @@ not returned to the kernel: resident memory stays near the run's high-water mark
 kernel when freed (glibc's dynamic threshold would otherwise rise and keep mid-sized blocks in the
 heap, where they fragment it). Lowest resident memory, a page fault per page of each re-allocation.
 
-`auto` follows what the run's strategy was chosen for. On the CPU, a strategy that shards the
-parameters (FSDP, ZeRO-3) is there to lower memory per rank: `release`; one that replicates them
-(DDP, ZeRO-1/2, the pipeline) gets `retain`, for speed. On a GPU the tensors live in CUDA's caching
-allocator (which already reuses its blocks) and host memory is left as the system sets it.
+`auto` takes the strategy's own choice on the CPU (`Strategy.host_allocator_on_cpu`), measured per
+strategy with bench/strategies_memory.py (docs/benchmarks.md): DDP and the pipeline re-allocate the
+same tensors each step and get `retain` (a 105M-parameter MLP under DDP: 40% faster steps for 2% more
+peak memory); FSDP and DeepSpeed keep their own flat and bucket buffers, which fragment a retained heap
+(peak +1.1 to +1.8 GiB under `retain`), and get `release` (lowest peak at the same speed). On a GPU
+the tensors live in CUDA's caching allocator (which already reuses its blocks) and host memory is left
+as the system sets it.
 
 Hand-written over ctypes because the only alternatives are process-wide environment settings that
 must exist before the interpreter starts (`GLIBC_TUNABLES`, `MALLOC_*_` variables) or preloading
@@ -51,16 +54,13 @@ FALLBACK_MMAP_BYTES = 32 << 20
 POLICIES = ("auto", "retain", "release", "system")
 
 
-def resolve(option: str, device_type: str, *, shards_parameters: bool = False) -> str:
-    """The policy a run gets. `auto`: on the CPU, `release` when the strategy shards the parameters
-    (chosen to save memory) and `retain` otherwise (speed); `system` on other devices."""
+def resolve(option: str, device_type: str, *, cpu_default: str = "retain") -> str:
+    """The policy a run gets: `auto` is the strategy's `cpu_default` on the CPU, `system` elsewhere."""
     if option not in POLICIES:
         raise ValueError(f"performance.host_allocator: {option!r} is not one of {', '.join(POLICIES)}")
     if option != "auto":
         return option
-    if device_type != "cpu":
-        return "system"
-    return "release" if shards_parameters else "retain"
+    return cpu_default if device_type == "cpu" else "system"
 
 
 def _glibc() -> Optional[ctypes.CDLL]:

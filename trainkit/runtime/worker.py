@@ -371,9 +371,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     device = accelerator.device
     # before the model, optimizer and data allocate: glibc settings apply to later allocations
-    shards = registry.component(recipe.strategy).shards_parameters(recipe.strategy)
+    cpu_default = registry.component(recipe.strategy).host_allocator_on_cpu  # measured per strategy
     host_allocator = apply_host_allocator(resolve_host_allocator(recipe.performance.host_allocator, device.type,
-                                                                 shards_parameters=shards))
+                                                                 cpu_default=cpu_default))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

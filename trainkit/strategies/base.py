@@ -47,6 +47,10 @@ class Strategy:
     reshards_on_load: bool = True
     # Ranks hold different parts of the model (pipeline stages): MFU credits each rank with its own FLOPs.
     splits_model: bool = False
+    # performance.host_allocator: auto on the CPU (runtime.host_allocator): "retain" where each step frees and
+    # re-allocates the same tensors (fast, no page faults); "release" where the strategy's own flat/bucket
+    # buffers would fragment a retained heap. Chosen by measurement (bench/strategies_memory.py).
+    host_allocator_on_cpu: str = "retain"
 
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe

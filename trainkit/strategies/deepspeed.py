@@ -80,6 +80,7 @@ class DeepSpeedStrategy(Strategy):
     reshards_on_load = False  # ZeRO partitions are per rank (DeepSpeed's universal checkpoint is not used)
     options: DeepSpeedOptions
     owns_loss_scaling = True  # ds_config's fp16.loss_scale (0: dynamic, else fixed); no torch GradScaler
+    host_allocator_on_cpu = "release"  # retain fragments the heap around DeepSpeed's flat buffers (bench)
 
     @classmethod
     def shards_parameters(cls, options) -> bool:
