@@ -5,8 +5,9 @@ block back to the kernel (blocks from mmap, and a heap top over the trim thresho
 frees and re-allocates the same large tensors every step -- gradients (`zero_grad(set_to_none=True)`
 after the optimizer step), the optimizer's temporaries, activations -- so each step faults every page
 of them in again, zero-filled by the kernel. Measured on the overhead bench's 14M-parameter MLP (2
-ranks on this machine's 2 cores): about 110k minor page faults per second per rank and roughly a fifth
-of the step spent in the kernel (docs/benchmarks.md, "Host allocator").
+ranks on this machine's 2 cores): about 110k minor page faults per second per rank, a third of the
+workers' CPU time in the kernel; keeping the memory made the step ~20% faster (docs/benchmarks.md,
+"Host allocator").
 
 `retain` tells glibc (mallopt) to serve blocks up to `RETAIN_BYTES` from its heap and to keep up to
 `RETAIN_BYTES` of freed heap instead of trimming it: a freed block is reused by the next step's
