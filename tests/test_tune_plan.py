@@ -142,3 +142,23 @@ def test_sharded_strategies_get_their_own_knobs(tmp_path):
     assert [(name, r.strategy.zero_stage) for name, r in tuner.resolved_trials if name != "baseline"][0] == \
         ("zero_stage=2", 2)
     assert yaml.safe_load(out.read_text())["strategy"]["zero_stage"] == 2
+
+
+def test_the_host_allocator_is_tried_against_the_strategys_own_choice(tmp_path):
+    """`auto` is each strategy's measured policy on the CPU (retain for DDP, release for FSDP): tune tries
+    the other one, and writes it only when it measured faster."""
+    ddp = mlp_recipe(tmp_path, "ddp")
+    tuner, out = _tune(tmp_path, ddp, "host_allocator", {("performance.host_allocator", "release"): 0.7})
+    tried = [(name, r.performance.host_allocator) for name, r in tuner.resolved_trials if name != "baseline"]
+    assert tried and all(t == ("host_allocator=release", "release") for t in tried)  # one arm, in pairs
+    assert not out.exists()  # nothing proven faster: no tuned recipe
+
+    fsdp = mlp_recipe(tmp_path, "fsdp", strategy={"name": "fsdp"})
+    tuner, out = _tune(tmp_path, fsdp, "host_allocator", {("performance.host_allocator", "retain"): 1.2})
+    assert [name for name, _ in tuner.resolved_trials if name != "baseline"][0] == "host_allocator=retain"
+    assert yaml.safe_load(out.read_text())["performance"]["host_allocator"] == "retain"
+
+    from trainkit.launch import tune_knobs
+    knob = tune_knobs.all_knobs()["host_allocator"]
+    gpu_recipe = resolve(str(ddp)).recipe
+    assert "CUDA's caching allocator" in tune_knobs.not_applicable(knob, gpu_recipe, {"cuda": True})

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from .. import registry
 from ..recipe.blocks import PerformanceOptions
 from ..recipe.schema import Recipe
 
@@ -59,6 +60,21 @@ def _needs_workers(recipe: Recipe, facts: dict) -> Optional[str]:
 
 def _needs_cuda(recipe: Recipe, facts: dict) -> Optional[str]:
     return None if facts.get("cuda") else "no effect without a CUDA device"
+
+
+def _cpu_run(recipe: Recipe, facts: dict) -> Optional[str]:
+    if facts.get("cuda") and recipe.launch.backend != "gloo":
+        return "host malloc matters on CPU runs (on a GPU the tensors live in CUDA's caching allocator)"
+    return None
+
+
+def _host_allocators(recipe: Recipe, facts: dict) -> list[str]:
+    """The CPU policies other than the one the run has; `auto` is the strategy's own measured choice
+    (runtime.host_allocator), so tune tries the other one against it."""
+    current = recipe.performance.host_allocator
+    if current == "auto":  # the strategy's class says which (imports the strategy: torch, as a trial will)
+        current = registry.component(recipe.strategy).host_allocator_on_cpu
+    return [policy for policy in ("retain", "release") if policy != current]
 
 
 def _flip(path: str, to: bool) -> Values:
@@ -122,6 +138,7 @@ PERFORMANCE_ROWS = [
     Knob("compile", "performance.compile", lambda r, f: [True] if not r.performance.compile else []),
     Knob("cudnn_benchmark", "performance.cudnn_benchmark", _flip("performance.cudnn_benchmark", True),
          applies=_needs_cuda),
+    Knob("host_allocator", "performance.host_allocator", _host_allocators, applies=_cpu_run),
 ]
 NOT_SPEED_KNOBS = {"sync_batchnorm"}  # changes what is computed (BatchNorm statistics), never a speed-up
 
