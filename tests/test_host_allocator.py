@@ -16,8 +16,9 @@ from trainkit.runtime import host_allocator
 # the gradients are freed after every step and allocated again by the next backward), on the overhead
 # bench's MLP shape (3072 -> 2048 x3 -> 10, 14M parameters: 24/16 MiB gradients and AdamW temporaries).
 STEPS = textwrap.dedent("""
-    import sys, torch
+    import ctypes, sys, torch
     from trainkit.runtime import host_allocator
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, as the counts assume
     print(host_allocator.apply(sys.argv[1]))
     torch.manual_seed(0)
     layers = [torch.nn.Flatten(), torch.nn.Linear(3072, 2048), torch.nn.ReLU()]
@@ -38,15 +39,21 @@ STEPS = textwrap.dedent("""
 """)
 
 
+def clean_env() -> dict:
+    """The environment without malloc settings of the caller's (they would change the baseline)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")} | {"OMP_NUM_THREADS": "1"}
+
+
 def faults_per_step(policy: str) -> tuple[str, float]:
     res = subprocess.run([sys.executable, "-c", STEPS, policy], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         env=clean_env())
     assert res.returncode == 0, res.stderr
     applied, faults = res.stdout.strip().splitlines()
     return applied, float(faults)
 
 
-@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="mallopt is glibc's")
+@pytest.mark.skipif(not host_allocator.is_glibc(), reason="mallopt is glibc's")
 def test_retain_stops_the_kernel_refaulting_each_steps_tensors():
     """Guards that `retain` really changes what glibc does (remove the mallopt calls and the two
     figures are alike): with the system's settings every step's freed gradients and optimizer
@@ -62,8 +69,9 @@ def test_retain_stops_the_kernel_refaulting_each_steps_tensors():
 
 # 20 freed 4 MiB blocks with a live 64 KiB tensor after each: in the heap they cannot be trimmed
 RELEASE = textwrap.dedent("""
-    import sys, torch
+    import ctypes, sys, torch
     from trainkit.runtime import host_allocator
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
     print(host_allocator.apply(sys.argv[1]))
     def rss():
         with open("/proc/self/status") as fh:
@@ -80,14 +88,15 @@ RELEASE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="mallopt is glibc's")
+@pytest.mark.skipif(not host_allocator.is_glibc(), reason="mallopt is glibc's")
 def test_release_gives_freed_blocks_back_to_the_kernel():
     """Guards that `release` really lowers resident memory (FSDP/ZeRO-3's CPU default): after 80 MiB of
     4 MiB tensors are freed with small tensors still alive between them, the system's settings keep
     them resident (they were served from the heap, which cannot shrink past the live blocks);
     `release` served them with mmap and unmapped them at free. Resident memory from /proc/self/status."""
     def kept(policy: str) -> tuple[str, float]:
-        res = subprocess.run([sys.executable, "-c", RELEASE, policy], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-c", RELEASE, policy], capture_output=True, text=True, timeout=120,
+                             env=clean_env())
         assert res.returncode == 0, res.stderr
         applied, mib = res.stdout.strip().splitlines()
         return applied, float(mib)
@@ -122,3 +131,52 @@ def test_each_built_in_strategy_names_the_policy_measured_for_it():
               for cls in (DDPStrategy, PipelineStrategy, FSDPStrategy, DeepSpeedStrategy)}
     assert chosen == {"DDPStrategy": "retain", "PipelineStrategy": "retain", "FSDPStrategy": "release",
                       "DeepSpeedStrategy": "release"}
+
+
+class RecordingLibc:
+    """Stands in for glibc in-process (a real mallopt here would change the test process's malloc):
+    records each mallopt call and refuses the values in `refuse`."""
+
+    def __init__(self, refuse=()):
+        self.calls, self.refuse = [], set(refuse)
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 0 if (param, value) in self.refuse else 1
+
+
+def test_each_policy_sets_what_its_docs_say(monkeypatch):
+    """release: blocks >= 1 MiB mmap'd, glibc's 128 KiB trim threshold fixed; retain: 1 GiB of both, and
+    32 MiB blocks where a glibc refuses 1 GiB (the summary then says so)."""
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    libc = RecordingLibc()
+    monkeypatch.setattr(host_allocator, "_glibc", lambda: libc)
+    assert host_allocator.apply("release") == "release"
+    assert libc.calls == [(host_allocator.M_MMAP_THRESHOLD, 1 << 20), (host_allocator.M_TRIM_THRESHOLD, 128 << 10)]
+
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    libc = RecordingLibc(refuse={(host_allocator.M_MMAP_THRESHOLD, 1 << 30)})
+    monkeypatch.setattr(host_allocator, "_glibc", lambda: libc)
+    assert host_allocator.apply("retain") == "retain (blocks up to 32 MiB)"
+    assert libc.calls[-2:] == [(host_allocator.M_MMAP_THRESHOLD, 32 << 20), (host_allocator.M_TRIM_THRESHOLD, 1 << 30)]
+
+
+def test_what_cannot_be_set_is_reported_not_claimed(monkeypatch):
+    """The summary never says `retain` when it is not in effect: not glibc, a preloaded allocator that
+    replaces malloc, or an earlier run in the same process that set another policy (no undo in glibc)."""
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(host_allocator, "_glibc", lambda: None)
+    assert host_allocator.apply("retain") == "system (retain needs glibc's mallopt; this C library is not glibc)"
+
+    libc = RecordingLibc()
+    monkeypatch.setattr(host_allocator, "_glibc", lambda: libc)
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert host_allocator.apply("retain").startswith("system (jemalloc is preloaded")
+    assert libc.calls == []
+
+    monkeypatch.delenv("LD_PRELOAD")
+    assert host_allocator.apply("retain") == "retain"
+    assert host_allocator.apply("system") == "retain (set earlier in this process; glibc cannot restore its defaults)"
+    assert host_allocator.apply("release").startswith("retain (set earlier")

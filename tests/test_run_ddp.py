@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainkit.runtime import host_allocator
+
 from run_helpers import losses, mlp_recipe, summary, trainkit
 
 pytestmark = pytest.mark.distributed
@@ -54,7 +56,8 @@ def test_replicas_hold_identical_parameters_after_training(reference):
 def test_a_cpu_run_keeps_freed_host_memory_for_reuse(reference):
     """performance.host_allocator: auto is `retain` on the CPU, set in each worker (the value is what
     runtime.host_allocator.apply reports; tests/test_host_allocator.py shows it in effect)."""
-    assert summary(reference)["host_allocator"] == "retain"
+    applied = summary(reference)["host_allocator"]
+    assert applied == "retain" if host_allocator.is_glibc() else applied.startswith("system ("), applied
 
 
 def test_grad_accumulation_matches_the_larger_batch(reference, tmp_path):

@@ -148,13 +148,16 @@ def test_the_host_allocator_is_tried_against_the_strategys_own_choice(tmp_path):
     """`auto` is each strategy's measured policy on the CPU (retain for DDP, release for FSDP): tune tries
     the other one, and writes it only when it measured faster."""
     ddp = mlp_recipe(tmp_path, "ddp")
-    tuner, out = _tune(tmp_path, ddp, "host_allocator", {("performance.host_allocator", "release"): 0.7})
+    cpu = ("launch.backend=gloo",)  # a CPU run on any machine (the knob is for CPU runs)
+    tuner, out = _tune(tmp_path, ddp, "host_allocator", {("performance.host_allocator", "release"): 0.7},
+                       overrides=cpu)
     tried = [(name, r.performance.host_allocator) for name, r in tuner.resolved_trials if name != "baseline"]
     assert tried and all(t == ("host_allocator=release", "release") for t in tried)  # one arm, in pairs
     assert not out.exists()  # nothing proven faster: no tuned recipe
 
     fsdp = mlp_recipe(tmp_path, "fsdp", strategy={"name": "fsdp"})
-    tuner, out = _tune(tmp_path, fsdp, "host_allocator", {("performance.host_allocator", "retain"): 1.2})
+    tuner, out = _tune(tmp_path, fsdp, "host_allocator", {("performance.host_allocator", "retain"): 1.2},
+                       overrides=cpu)
     assert [name for name, _ in tuner.resolved_trials if name != "baseline"][0] == "host_allocator=retain"
     assert yaml.safe_load(out.read_text())["performance"]["host_allocator"] == "retain"
 

@@ -20,9 +20,10 @@ heap, where they fragment it). Lowest resident memory, a page fault per page of 
 
 `auto` takes the strategy's own choice on the CPU (`Strategy.host_allocator_on_cpu`), measured per
 strategy with bench/strategies_memory.py (docs/benchmarks.md): DDP and the pipeline re-allocate the
-same tensors each step and get `retain` (a 105M-parameter MLP under DDP: 40% faster steps for 2% more
-peak memory); FSDP and DeepSpeed keep their own flat and bucket buffers, which fragment a retained heap
-(peak +1.1 to +1.8 GiB under `retain`), and get `release` (lowest peak at the same speed). On a GPU
+same tensors each step and get `retain` (a 105M-parameter MLP under DDP: 1.4-1.7x faster steps for 2%
+more peak memory); FSDP and DeepSpeed keep their own flat and bucket buffers, which fragment a retained
+heap (peak +1.1 to +1.8 GiB under `retain`), and get `release` (their lowest peak; FSDP's step time
+unchanged, ZeRO-2's within +10% on a noisy host). On a GPU
 the tensors live in CUDA's caching allocator (which already reuses its blocks) and host memory is left
 as the system sets it.
 
@@ -30,14 +31,14 @@ Hand-written over ctypes because the only alternatives are process-wide environm
 must exist before the interpreter starts (`GLIBC_TUNABLES`, `MALLOC_*_` variables) or preloading
 another allocator (jemalloc/tcmalloc through LD_PRELOAD, what torch.backends.xeon.run_cpu does) that
 the machine may not have. mallopt is glibc's documented API and takes effect for later allocations;
-forked DataLoader workers inherit it.
+forked DataLoader workers inherit it. It cannot be undone: a later run in the same process (world size
+1 runs inside the launcher) keeps what the first one set, and its summary says so.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import resource
 from typing import Optional
 
 # mallopt(3) parameter numbers (malloc.h)
@@ -49,10 +50,16 @@ M_MMAP_THRESHOLD = -3
 RETAIN_BYTES = 1 << 30
 # blocks this large or larger are returned to the kernel at free under `release`
 RELEASE_BYTES = 1 << 20
-# glibc releases before 2.35 refuse an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit)
+# glibc's own default trim threshold (heap top kept before trimming), set explicitly under `release`
+GLIBC_TRIM_BYTES = 128 << 10
+# if a glibc refuses 1 GiB as the mmap threshold (older releases capped it), the largest value it always took
 FALLBACK_MMAP_BYTES = 32 << 20
 
 POLICIES = ("auto", "retain", "release", "system")
+# allocators that replace glibc's malloc when preloaded: mallopt would then set nothing that is used
+REPLACEMENT_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+
+_applied: Optional[str] = None  # what this process set (mallopt cannot be undone: glibc has no "reset")
 
 
 def resolve(option: str, device_type: str, *, cpu_default: str = "retain") -> str:
@@ -75,29 +82,44 @@ def _glibc() -> Optional[ctypes.CDLL]:
     return libc if hasattr(libc, "mallopt") else None
 
 
+def is_glibc() -> bool:
+    """Whether `retain` and `release` can take effect in this process."""
+    return _glibc() is not None
+
+
 def apply(policy: str) -> str:
     """Set this process's malloc for `policy` (`retain`, `release` or `system`); returns what is in
-    effect, as the run's summary records it: the policy's name, or "system (<why it could not be set>)"."""
-    if policy == "system":
-        return "system"  # nothing to undo: a process starts with the system's settings
-    if policy not in ("retain", "release"):
+    effect, as the run's summary records it: the policy's name, or "<name> (<why not as asked>)"."""
+    global _applied
+    if policy not in ("retain", "release", "system"):
         raise ValueError(f"host allocator policy {policy!r}: expected retain, release or system")
+    if _applied is not None and _applied != policy:  # an earlier run in this process (world size 1)
+        return f"{_applied} (set earlier in this process; glibc cannot restore its defaults)"
+    if policy == "system":
+        return "system"  # nothing to set: a process starts with the system's settings
+    preloaded = [name for name in REPLACEMENT_ALLOCATORS if name in os.environ.get("LD_PRELOAD", "")]
+    if preloaded:
+        return f"system ({preloaded[0]} is preloaded and replaces glibc's malloc; {policy} not set)"
     libc = _glibc()
     if libc is None:
         return f"system ({policy} needs glibc's mallopt; this C library is not glibc)"
     if policy == "release":
-        # a fixed threshold also turns glibc's dynamic threshold (and trim threshold) adjustment off
-        if not libc.mallopt(M_MMAP_THRESHOLD, RELEASE_BYTES):
-            return "system (glibc refused mallopt(M_MMAP_THRESHOLD))"
-        return "release"
+        # a fixed value also turns glibc's dynamic threshold adjustment off
+        if not (libc.mallopt(M_MMAP_THRESHOLD, RELEASE_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_BYTES)):
+            return "system (glibc refused mallopt)"
+        _applied = "release"
+        return _applied
     mmap_bytes = RETAIN_BYTES if libc.mallopt(M_MMAP_THRESHOLD, RETAIN_BYTES) else FALLBACK_MMAP_BYTES
     if mmap_bytes == FALLBACK_MMAP_BYTES and not libc.mallopt(M_MMAP_THRESHOLD, FALLBACK_MMAP_BYTES):
         return "system (glibc refused mallopt(M_MMAP_THRESHOLD))"
+    _applied = "retain"
     if not libc.mallopt(M_TRIM_THRESHOLD, RETAIN_BYTES):
-        return "system (glibc refused mallopt(M_TRIM_THRESHOLD))"
+        return "retain (mmap threshold only: glibc refused mallopt(M_TRIM_THRESHOLD))"
     return "retain" if mmap_bytes == RETAIN_BYTES else f"retain (blocks up to {mmap_bytes >> 20} MiB)"
 
 
 def minor_faults() -> int:
     """This process's minor page faults so far (pages the kernel had to map and zero on first touch)."""
+    import resource  # POSIX only: imported where it is used, so the module imports on every platform
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -370,15 +370,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     accelerator = accelerator_for(recipe, cuda_available=torch.cuda.is_available(),
                                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     device = accelerator.device
-    # before the model, optimizer and data allocate: glibc settings apply to later allocations
-    cpu_default = registry.component(recipe.strategy).host_allocator_on_cpu  # measured per strategy
-    host_allocator = apply_host_allocator(resolve_host_allocator(recipe.performance.host_allocator, device.type,
-                                                                 cpu_default=cpu_default))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     dist.init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
+        # before the model, optimizer and data allocate: glibc settings apply to later allocations
+        host_allocator = apply_host_allocator(resolve_host_allocator(
+            recipe.performance.host_allocator, device.type,
+            cpu_default=getattr(registry.component(recipe.strategy), "host_allocator_on_cpu", "retain")))
         summary = train(run_dir, recipe, resolved.redacted(), device)  # what checkpoints record: no secrets
         summary["host_allocator"] = host_allocator
         if dist.get_rank() == 0:
