@@ -20,7 +20,7 @@ heap, where they fragment it). Lowest resident memory, a page fault per page of 
 
 `auto` takes the strategy's own choice on the CPU (`Strategy.host_allocator_on_cpu`), measured per
 strategy with bench/strategies_memory.py (docs/benchmarks.md): DDP and the pipeline re-allocate the
-same tensors each step and get `retain` (a 105M-parameter MLP under DDP: 1.4-1.7x faster steps for 2%
+same tensors each step and get `retain` (a 105M-parameter MLP under DDP: 1.4-1.7x faster steps for 1-5%
 more peak memory); FSDP and DeepSpeed keep their own flat and bucket buffers, which fragment a retained
 heap (peak +1.1 to +1.8 GiB under `retain`), and get `release` (their lowest peak; FSDP's step time
 unchanged, ZeRO-2's within +10% on a noisy host). On a GPU
