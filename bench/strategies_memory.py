@@ -35,7 +35,6 @@ from pathlib import Path
 
 PHASES = os.environ.get("TRAINKIT_BENCH_PHASES") == "1"  # --phases; the workers read it from the environment
 DEPTH = int(os.environ.get("TRAINKIT_BENCH_DEPTH", "7"))  # --depth; the workers read it from the environment
-HOST_ALLOCATOR = os.environ.get("TRAINKIT_BENCH_HOST_ALLOCATOR", "auto")  # --host-allocator (in each recipe)
 MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": DEPTH}}
 CONFIGS = {  # "init": model.init (default auto: seeded for FSDP and ZeRO-3, constructor otherwise)
     "ddp": {"name": "ddp"},
@@ -50,7 +49,7 @@ CONFIGS = {  # "init": model.init (default auto: seeded for FSDP and ZeRO-3, con
 BATCH_PER_RANK = 8
 
 
-def write_recipe(folder: Path, label: str, strategy: dict) -> Path:
+def write_recipe(folder: Path, label: str, strategy: dict, host_allocator: str = "auto") -> Path:
     import yaml
 
     pipeline = strategy["name"] == "pipeline"
@@ -63,7 +62,7 @@ def write_recipe(folder: Path, label: str, strategy: dict) -> Path:
         "strategy": strategy, "precision": "fp32",
         "optimizer": {"name": "adamw", "lr": 1.0e-4},
         "trainer": {"max_steps": 10}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False},
-        "performance": {"host_allocator": HOST_ALLOCATOR},
+        "performance": {"host_allocator": host_allocator},
     }
     path = folder / f"{label}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -116,9 +115,7 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     # as trainkit's worker does, before anything large is allocated (performance.host_allocator)
-    cpu_default = registry.component(recipe.strategy).host_allocator_on_cpu
-    allocator = host_allocator.apply(host_allocator.resolve(recipe.performance.host_allocator, device.type,
-                                                            cpu_default=cpu_default))
+    allocator = host_allocator.apply(host_allocator.for_recipe(recipe, device.type))
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -291,13 +288,10 @@ def main() -> int:
     ap.add_argument("--depth", type=int, help="MLP depth (default 7: 105 M parameters; 14: 206 M)")
     ap.add_argument("--phases", action="store_true", help="CPU on Linux: also each step's peak RSS in "
                     "forward+backward and in the optimizer step (/proc/self/clear_refs), printed per rank")
-    ap.add_argument("--host-allocator", choices=["auto", "retain", "release", "system"],
+    ap.add_argument("--host-allocator", choices=["auto", "retain", "release", "system"], default="auto",
                     help="performance.host_allocator of every recipe (default auto, as in a trainkit run: each "
                          "strategy's host_allocator_on_cpu)")
     args = ap.parse_args()
-    if args.host_allocator and not args.worker:
-        os.environ["TRAINKIT_BENCH_HOST_ALLOCATOR"] = args.host_allocator
-        globals()["HOST_ALLOCATOR"] = args.host_allocator
     if args.phases and not args.worker:
         os.environ["TRAINKIT_BENCH_PHASES"] = "1"
     if args.depth and not args.worker:
@@ -314,7 +308,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for label in args.only or CONFIGS:
-            results[label] = launch(label, write_recipe(folder, label, CONFIGS[label]), args.steps, folder,
+            results[label] = launch(label, write_recipe(folder, label, CONFIGS[label], args.host_allocator), args.steps, folder,
                                     args.timeout)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -45,12 +45,13 @@ def clean_env() -> dict:
             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")} | {"OMP_NUM_THREADS": "1"}
 
 
-def faults_per_step(policy: str) -> tuple[str, float]:
-    res = subprocess.run([sys.executable, "-c", STEPS, policy], capture_output=True, text=True, timeout=120,
+def probe(script: str, policy: str) -> tuple[str, float]:
+    """Run a probe script in a fresh process under `policy`: (what apply() reported, the figure it printed)."""
+    res = subprocess.run([sys.executable, "-c", script, policy], capture_output=True, text=True, timeout=120,
                          env=clean_env())
     assert res.returncode == 0, res.stderr
-    applied, faults = res.stdout.strip().splitlines()
-    return applied, float(faults)
+    applied, figure = res.stdout.strip().splitlines()
+    return applied, float(figure)
 
 
 @pytest.mark.skipif(not host_allocator.is_glibc(), reason="mallopt is glibc's")
@@ -60,8 +61,8 @@ def test_retain_stops_the_kernel_refaulting_each_steps_tensors():
     temporaries go back to the kernel and their pages fault in again at the next step (thousands of
     pages per step at this size); with `retain` they are reused from the heap. Measured as the
     process's minor page faults over 6 steps after 6 warm-up steps, each policy in a fresh process."""
-    applied_system, system = faults_per_step("system")
-    applied_retain, retain = faults_per_step("retain")
+    applied_system, system = probe(STEPS, "system")
+    applied_retain, retain = probe(STEPS, "retain")
     assert (applied_system, applied_retain) == ("system", "retain")
     assert system > 5000, f"the probe should show the problem: {system:.0f} faults/step with system malloc"
     assert retain < system / 5, f"retain: {retain:.0f} faults/step, system: {system:.0f}"
@@ -90,18 +91,11 @@ RELEASE = textwrap.dedent("""
 
 @pytest.mark.skipif(not host_allocator.is_glibc(), reason="mallopt is glibc's")
 def test_release_gives_freed_blocks_back_to_the_kernel():
-    """Guards that `release` really lowers resident memory (FSDP/ZeRO-3's CPU default): after 80 MiB of
+    """Guards that `release` really lowers resident memory (FSDP's and DeepSpeed's CPU default): after 80 MiB of
     4 MiB tensors are freed with small tensors still alive between them, the system's settings keep
     them resident (they were served from the heap, which cannot shrink past the live blocks);
     `release` served them with mmap and unmapped them at free. Resident memory from /proc/self/status."""
-    def kept(policy: str) -> tuple[str, float]:
-        res = subprocess.run([sys.executable, "-c", RELEASE, policy], capture_output=True, text=True, timeout=120,
-                             env=clean_env())
-        assert res.returncode == 0, res.stderr
-        applied, mib = res.stdout.strip().splitlines()
-        return applied, float(mib)
-
-    (applied_system, system), (applied_release, release) = kept("system"), kept("release")
+    (applied_system, system), (applied_release, release) = probe(RELEASE, "system"), probe(RELEASE, "release")
     assert (applied_system, applied_release) == ("system", "release")
     assert system > 60, f"the probe should show retained memory: {system:.1f} MiB with system malloc"
     assert release < 10, f"release kept {release:.1f} MiB of the 80 MiB freed"
@@ -119,18 +113,25 @@ def test_auto_is_the_strategys_choice_on_the_cpu_and_system_on_gpus():
         host_allocator.resolve("jemalloc", "cpu")
 
 
-def test_each_built_in_strategy_names_the_policy_measured_for_it():
-    """DDP and the pipeline re-allocate the same tensors each step (retain: fast); FSDP's and DeepSpeed's
-    own buffers fragment a retained heap (peak RSS 2x FSDP's, +1.1 GiB ZeRO-2's: release)."""
-    from trainkit.strategies.ddp import DDPStrategy
-    from trainkit.strategies.deepspeed import DeepSpeedStrategy
-    from trainkit.strategies.fsdp import FSDPStrategy
-    from trainkit.strategies.pipeline import PipelineStrategy
+def test_each_built_in_strategy_gets_the_policy_measured_for_it():
+    """A recipe's `auto` goes to its strategy class (for_recipe, what the worker applies): DDP and the
+    pipeline re-allocate the same tensors each step (retain: fast); FSDP's and DeepSpeed's own buffers
+    fragment a retained heap (peak RSS 2x FSDP's, +1.1 GiB ZeRO-2's: release). Fails if a class loses its
+    choice or the lookup stops reaching the class."""
+    from types import SimpleNamespace
 
-    chosen = {cls.__name__: cls.host_allocator_on_cpu
-              for cls in (DDPStrategy, PipelineStrategy, FSDPStrategy, DeepSpeedStrategy)}
-    assert chosen == {"DDPStrategy": "retain", "PipelineStrategy": "retain", "FSDPStrategy": "release",
-                      "DeepSpeedStrategy": "release"}
+    from trainkit.recipe.blocks import DDPOptions, DeepSpeedOptions, FSDPOptions, PerformanceOptions, PipelineOptions
+
+    def policy(strategy, device="cpu", **performance):
+        recipe = SimpleNamespace(strategy=strategy, performance=PerformanceOptions(**performance))
+        return host_allocator.for_recipe(recipe, device)
+
+    assert policy(DDPOptions(name="ddp")) == "retain"
+    assert policy(PipelineOptions(name="pipeline")) == "retain"
+    assert policy(FSDPOptions(name="fsdp")) == "release"
+    assert policy(DeepSpeedOptions(name="deepspeed", zero_stage=2)) == "release"
+    assert policy(FSDPOptions(name="fsdp"), "cuda") == "system"
+    assert policy(FSDPOptions(name="fsdp"), host_allocator="retain") == "retain"  # the recipe's word wins
 
 
 class RecordingLibc:

@@ -48,8 +48,8 @@ def test_fsdp_follows_the_one_process_loss_trajectory(single, fsdp_run):
 
 
 def test_fsdp_on_the_cpu_gives_freed_host_memory_back(fsdp_run):
-    """performance.host_allocator: auto is `release` for a strategy that shards the parameters (chosen to
-    save memory), set in each worker (tests/test_host_allocator.py shows `release` in effect)."""
+    """performance.host_allocator: auto is FSDP's own choice on the CPU, `release` (retain fragments the
+    heap around FSDP's buffers), set in each worker (tests/test_host_allocator.py shows it in effect)."""
     applied = summary(fsdp_run[2])["host_allocator"]
     assert applied == "release" if host_allocator.is_glibc() else applied.startswith("system ("), applied
 

@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .. import registry
 from ..recipe.blocks import PerformanceOptions
 from ..recipe.schema import Recipe
+from ..runtime import host_allocator
 
 Values = Callable[[Recipe, dict], list[Any]]  # (recipe, machine facts) -> values to try (not the current one)
 Applies = Callable[[Recipe, dict], Optional[str]]  # -> why it does not apply, or None
@@ -71,9 +71,7 @@ def _cpu_run(recipe: Recipe, facts: dict) -> Optional[str]:
 def _host_allocators(recipe: Recipe, facts: dict) -> list[str]:
     """The CPU policies other than the one the run has; `auto` is the strategy's own measured choice
     (runtime.host_allocator), so tune tries the other one against it."""
-    current = recipe.performance.host_allocator
-    if current == "auto":  # the strategy's class says which (imports the strategy: torch, as a trial will)
-        current = registry.component(recipe.strategy).host_allocator_on_cpu
+    current = host_allocator.for_recipe(recipe, "cpu")  # imports the strategy (torch), as a trial will
     return [policy for policy in ("retain", "release") if policy != current]
 
 

@@ -6,8 +6,8 @@ frees and re-allocates the same large tensors every step -- gradients (`zero_gra
 after the optimizer step), the optimizer's temporaries, activations -- so each step faults every page
 of them in again, zero-filled by the kernel. Measured on the overhead bench's 14M-parameter MLP (2
 ranks on this machine's 2 cores): about 110k minor page faults per second per rank, a third of the
-workers' CPU time in the kernel; keeping the memory made the step ~20% faster (docs/benchmarks.md,
-"Host allocator").
+workers' CPU time in the kernel; keeping the memory made trainkit's step 19% faster
+(docs/benchmarks.md, "Host allocator").
 
 `retain` tells glibc (mallopt) to serve blocks up to `RETAIN_BYTES` from its heap and to keep up to
 `RETAIN_BYTES` of freed heap instead of trimming it: a freed block is reused by the next step's
@@ -41,6 +41,8 @@ import ctypes
 import os
 from typing import Optional
 
+from .. import registry
+
 # mallopt(3) parameter numbers (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -69,6 +71,14 @@ def resolve(option: str, device_type: str, *, cpu_default: str = "retain") -> st
     if option != "auto":
         return option
     return cpu_default if device_type == "cpu" else "system"
+
+
+def for_recipe(recipe, device_type: str) -> str:
+    """The policy a recipe's run gets on `device_type` (the worker, the memory bench and tune ask here).
+    `auto` on the CPU is the strategy class's `host_allocator_on_cpu` (a plugin class without it: retain);
+    looking the class up imports the strategy's module."""
+    cpu_default = getattr(registry.component(recipe.strategy), "host_allocator_on_cpu", "retain")
+    return resolve(recipe.performance.host_allocator, device_type, cpu_default=cpu_default)
 
 
 def _glibc() -> Optional[ctypes.CDLL]:

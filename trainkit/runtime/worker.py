@@ -40,7 +40,7 @@ from .accelerator import accelerator_for
 from .checkpoint import Checkpointer, DiskFullError, decide_resume, saved_recipe
 from .checkpoint_layout import disk_full_message, disk_too_full, failed_save
 from .data import build_datasets, die_with_parent, make_loader
-from .host_allocator import apply as apply_host_allocator, resolve as resolve_host_allocator
+from . import host_allocator as host_malloc
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
 from .model import build_initial_model
@@ -376,11 +376,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dist.init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
         # before the model, optimizer and data allocate: glibc settings apply to later allocations
-        host_allocator = apply_host_allocator(resolve_host_allocator(
-            recipe.performance.host_allocator, device.type,
-            cpu_default=getattr(registry.component(recipe.strategy), "host_allocator_on_cpu", "retain")))
+        applied_malloc = host_malloc.apply(host_malloc.for_recipe(recipe, device.type))
         summary = train(run_dir, recipe, resolved.redacted(), device)  # what checkpoints record: no secrets
-        summary["host_allocator"] = host_allocator
+        summary["host_allocator"] = applied_malloc
         if dist.get_rank() == 0:
             console = write_reports(run_dir, recipe, summary)
             report(run_dir, summary)
