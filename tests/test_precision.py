@@ -113,12 +113,11 @@ def test_scaler_state_round_trips_through_state_dict(loss_scale):
 def test_no_torch_scaler_when_the_strategy_scales_the_loss_itself():
     """Guards DeepSpeed fp16: a strategy that owns loss scaling gets no GradScaler (the worker
     passes scaler=not owns_loss_scaling), and a fixed scale no longer builds a failing one."""
-    from trainkit.strategies.deepspeed import DeepSpeedStrategy
-    from trainkit.strategies.ddp import DDPStrategy
-    from trainkit.strategies.fsdp import FSDPStrategy
+    from trainkit.recipe.blocks import DDPOptions, DeepSpeedOptions, FSDPOptions, PipelineOptions
 
-    assert DeepSpeedStrategy.owns_loss_scaling
-    assert not (Strategy.owns_loss_scaling or DDPStrategy.owns_loss_scaling or FSDPStrategy.owns_loss_scaling)
+    assert DeepSpeedOptions(name="deepspeed").capabilities().owns_loss_scaling
+    assert not any(o.capabilities().owns_loss_scaling for o in (
+        DDPOptions(name="ddp"), FSDPOptions(name="fsdp"), PipelineOptions(name="pipeline")))
     for scale in ("dynamic", 1024.0):
         precision = Precision("fp16", CPU, scale, scaler=False)
         assert precision.scaler is None and precision.scale is None and precision.state_dict() == {}

@@ -22,14 +22,10 @@ def _fix(resolved, key: str, value: str) -> str:
     where = f"data.{key} ({resolved.locate(('data', key))})"
     root = Path(value).expanduser()
     if not root.exists():
-        if d.name == "imagefolder":
-            return f"point {where} at the dataset folder, or make a small one: trainkit data make-imagefolder {value}"
-        return f"point {where} at the dataset folder"
+        return d.fix_missing_folder(value, where)
     if not os.access(root, os.R_OK | os.X_OK):
         return f"chmod -R u+rX {root} (or run as a user who can read it)"
-    if d.name == "cifar10":
-        return f"unpack cifar-10-python.tar.gz into {root}, or fix {where}"
-    return f"arrange it as {root}/<class>/<image>.jpg, or fix {where}"
+    return d.fix_layout(root, where)
 
 
 def data_root(resolved) -> Optional[Check]:
@@ -56,4 +52,4 @@ def data_root(resolved) -> Optional[Check]:
         detail = "; ".join(f"data.{key}: {message}" for key, message in found)
         return failed(name, detail, "; ".join(dict.fromkeys(_fix(resolved, k, getattr(d, k)) for k, _ in found)))
     return passed(name, ", ".join(f"data.{k} {getattr(d, k)}: readable" for k in keys)
-                  + (", class folders with images" if d.name == "imagefolder" else ""))
+                  + d.layout_note)

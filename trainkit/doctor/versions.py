@@ -77,7 +77,7 @@ def nccl(resolved) -> Check:
 
 def deepspeed(resolved) -> Check:
     """From package metadata: importing DeepSpeed takes seconds and may JIT-compile."""
-    uses = resolved is not None and resolved.recipe.strategy.name == "deepspeed"
+    uses = resolved is not None and "deepspeed" in resolved.recipe.strategy.requires_packages
     try:
         v = version("deepspeed")
     except PackageNotFoundError:

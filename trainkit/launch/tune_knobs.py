@@ -1,10 +1,10 @@
 """The knobs `trainkit tune` can try: one table row per knob, easy to extend.
 
-A row says which recipe key it sets, which strategies it applies to, which values to try for a
-given recipe, whether it changes what is trained (`semantic`: only tried with `--allow`), and which
-recipe keys it changes alongside (the batch rule scales the learning rate). Without `--knobs`, a
-knob is tried when the bottleneck diagnosis names its key in its advice (so new advice picks up
-the matching knob by itself); `--knobs` names knobs to try whatever the diagnosis says.
+A row (`recipe.blocks.Knob`) says which recipe key it sets, which values to try for a given recipe,
+whether it changes what is trained (`semantic`: only tried with `--allow`), and which recipe keys
+it changes alongside (the batch rule scales the learning rate). Without `--knobs`, a knob is tried when the bottleneck diagnosis names its key in its advice (so new advice picks up
+the matching knob by itself); `--knobs` names knobs to try whatever the diagnosis says. A strategy's
+own knobs are in its options class (`StrategyOptions.tune_knobs`), so a plugin subclass inherits them.
 
 Performance options (`performance.channels_last`, `performance.compile`, ...) are rows only when
 the installed schema has them: `performance_knobs()` reads the schema.
@@ -13,34 +13,16 @@ the installed schema has them: `performance_knobs()` reads the schema.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from ..recipe.blocks import PerformanceOptions
+from .. import registry
+from ..recipe.blocks import Knob, PerformanceOptions
+from ..recipe.blocks.knobs import flip as _flip
+from ..recipe.blocks.knobs import get
 from ..recipe.schema import Recipe
 from ..runtime import host_allocator
 
-Values = Callable[[Recipe, dict], list[Any]]  # (recipe, machine facts) -> values to try (not the current one)
-Applies = Callable[[Recipe, dict], Optional[str]]  # -> why it does not apply, or None
-
-
-@dataclass(frozen=True)
-class Knob:
-    name: str
-    path: str  # the recipe key it sets
-    values: Values
-    strategies: tuple[str, ...] = ()  # empty: any strategy
-    semantic: Optional[str] = None  # "batch" | "precision": changes training itself; needs --allow
-    applies: Optional[Applies] = None
-    also: Callable[[Recipe, Any], dict[str, Any]] = field(default=lambda recipe, value: {})  # coupled keys
-    note: Callable[[Recipe, Any], str] = field(default=lambda recipe, value: "")  # the semantic change, in words
-
-
-def get(recipe: Recipe, path: str) -> Any:
-    value: Any = recipe
-    for part in path.split("."):
-        value = getattr(value, part, None)
-    return value
+__all__ = ["Knob", "get", "all_knobs", "not_applicable", "suggested", "override_text"]
 
 
 def _cpus_per_rank(recipe: Recipe) -> int:
@@ -75,10 +57,6 @@ def _host_allocators(recipe: Recipe, facts: dict) -> list[str]:
     return [policy for policy in ("retain", "release") if policy != current]
 
 
-def _flip(path: str, to: bool) -> Values:
-    return lambda recipe, facts: [to] if get(recipe, path) != to else []
-
-
 def _batch_values(recipe: Recipe, facts: dict) -> list[Any]:
     return [recipe.data.batch_size * 2, recipe.data.batch_size * 4]
 
@@ -96,11 +74,6 @@ def _batch_note(recipe: Recipe, value: Any) -> str:
             f"steps per epoch")
 
 
-def _lower_zero(recipe: Recipe, facts: dict) -> list[Any]:
-    stage = recipe.strategy.zero_stage
-    return [stage - 1] if stage > 0 else []
-
-
 KNOBS: list[Knob] = [
     # data loading
     Knob("num_workers", "data.num_workers", _workers),
@@ -109,19 +82,6 @@ KNOBS: list[Knob] = [
     Knob("persistent_workers", "data.persistent_workers", _flip("data.persistent_workers", True),
          applies=_needs_workers),
     Knob("pin_memory", "data.pin_memory", _flip("data.pin_memory", True), applies=_needs_cuda),
-    # DDP communication
-    Knob("bucket_cap_mb", "strategy.bucket_cap_mb",
-         lambda r, f: [25.0] if r.strategy.bucket_cap_mb < 25 else [r.strategy.bucket_cap_mb * 4], strategies=("ddp",)),
-    Knob("static_graph", "strategy.static_graph", _flip("strategy.static_graph", True), strategies=("ddp",)),
-    Knob("gradient_as_bucket_view", "strategy.gradient_as_bucket_view",
-         _flip("strategy.gradient_as_bucket_view", True), strategies=("ddp",)),
-    Knob("comm_hook", "strategy.comm_hook", lambda r, f: ["bf16_compress"] if r.strategy.comm_hook == "none" else [],
-         strategies=("ddp",), semantic="precision",
-         note=lambda r, v: f"gradients are all-reduced in {v.split('_')[0]} (fewer mantissa bits)"),
-    # sharded strategies
-    Knob("reshard_after_forward", "strategy.reshard_after_forward", _flip("strategy.reshard_after_forward", False),
-         strategies=("fsdp",)),
-    Knob("zero_stage", "strategy.zero_stage", _lower_zero, strategies=("deepspeed",)),
     # training semantics (only with --allow)
     Knob("batch_size", "data.batch_size", _batch_values, semantic="batch", also=_batch_lr, note=_batch_note),
     Knob("precision", "precision", lambda r, f: ["bf16"] if r.precision == "fp32" else [], semantic="precision",
@@ -155,14 +115,29 @@ def performance_knobs() -> list[Knob]:
     return found
 
 
+def strategy_knobs() -> list[Knob]:
+    """The knobs every registered strategy owns (`StrategyOptions.tune_knobs`), each once."""
+    found: dict[str, Knob] = {}
+    for name in registry.names("strategies"):
+        try:
+            options = registry.load("strategies", name)
+        except registry.PluginError:  # a broken third-party strategy: its knobs are unknown
+            continue
+        for knob in getattr(options, "tune_knobs", lambda: [])():
+            found.setdefault(knob.name, knob)
+    return list(found.values())
+
+
 def all_knobs() -> dict[str, Knob]:
-    return {k.name: k for k in KNOBS + performance_knobs()}
+    """Every knob by name: the general table, the performance rows and the strategies' own."""
+    return {k.name: k for k in KNOBS + strategy_knobs() + performance_knobs()}
 
 
 def not_applicable(knob: Knob, recipe: Recipe, facts: dict) -> Optional[str]:
-    """Why `knob` cannot be tried on this recipe, or None."""
-    if knob.strategies and recipe.strategy.name not in knob.strategies:
-        return f"only for strategy {'/'.join(knob.strategies)} (this recipe: {recipe.strategy.name})"
+    """Why `knob` cannot be tried on this recipe, or None. A strategy's knob applies to that strategy
+    and to every plugin strategy that subclasses its options."""
+    if knob.owner is not None and not isinstance(recipe.strategy, knob.owner):
+        return f"only for strategy {knob.owner.plugin_name()} (this recipe: {recipe.strategy.name})"
     if get(recipe, knob.path.rsplit(".", 1)[0] if "." in knob.path else "name") is None:
         return f"the recipe has no {knob.path}"
     return knob.applies(recipe, facts) if knob.applies else None

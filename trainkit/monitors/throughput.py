@@ -123,7 +123,7 @@ class ThroughputMonitor(Monitor):
         dp = self.ctx.strategy.data_parallel_size
         p50 = statistics.median(times)
         p95 = sorted(times)[min(len(times) - 1, int(0.95 * len(times)))]
-        out = {"throughput/samples_per_s": r.data.batch_size * dp * r.trainer.grad_accum_steps / p50,
+        out = {"throughput/samples_per_s": r.global_batch_at(dp) / p50,
                "throughput/step_time_p50_s": p50, "throughput/step_time_p95_s": p95}
         flops = [p.get("flops") for p in per_rank] if self.per_rank_flops else [self.flops]
         if all(flops):

@@ -29,12 +29,11 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> 
     ws = r.world_size
     lines.append(f"world size:      {ws if ws is not None else 'elastic ' + str(r.launch.nnodes) + ' nodes'}"
                  f"  ({r.launch.nproc_per_node} per node x {r.launch.nnodes} node(s))")
-    if r.strategy.name == "pipeline":
-        lines.append(f"pipeline:        {ws} stages, {r.strategy.microbatches} microbatches, schedule {r.strategy.schedule}")
+    lines += r.strategy.plan_lines(r)
     gb = r.global_batch
     lines.append(f"global batch:    {gb if gb is not None else '?'}  (batch_size {r.data.batch_size} x "
                  f"data-parallel {r.data_parallel_size} x grad_accum_steps {r.trainer.grad_accum_steps})")
-    samples = _dataset_size(r)
+    samples = r.data.train_size()
     if samples and gb:
         per_epoch = samples // gb
         lines.append(f"steps per epoch: {per_epoch}  ({samples} samples); max_steps {r.trainer.max_steps} = "
@@ -62,29 +61,11 @@ def _launch_lines(r) -> list[str]:
 
 
 def _strategy_lines(r) -> list[str]:
-    """What the strategy class adds to the plan (DeepSpeed: its ds_config, via ds_config_for)."""
+    """What the strategy's component adds to the plan from its runtime knowledge (DeepSpeed: its
+    ds_config, via ds_config_for); the options' own lines come first (`StrategyOptions.plan_lines`)."""
     try:
         cls = registry.component(r.strategy)
     except Exception:
         return []
     hook = getattr(cls, "plan_lines", None)
     return list(hook(r)) if hook else []
-
-
-def _dataset_size(r) -> int | None:
-    """Cheap count of training samples where knowable without loading the data."""
-    d = r.data
-    if d.name == "synthetic":
-        return d.num_samples
-    if d.name == "imagefolder":
-        import os
-
-        exts = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
-        try:
-            return sum(1 for cls in os.scandir(d.root) if cls.is_dir()
-                       for f in os.scandir(cls.path) if f.name.lower().endswith(exts)) or None
-        except OSError:
-            return None
-    if d.name == "cifar10":
-        return 50_000
-    return None

@@ -67,12 +67,17 @@ class Recipe(Block):
         ws = self.world_size
         if ws is None:
             return None
-        return self.strategy.data_parallel if self.strategy.name == "pipeline" else ws
+        return self.strategy.data_parallel_size(ws)
 
     @property
     def global_batch(self) -> Optional[int]:
         dp = self.data_parallel_size
-        return None if dp is None else self.data.batch_size * dp * self.trainer.grad_accum_steps
+        return None if dp is None else self.global_batch_at(dp)
+
+    def global_batch_at(self, data_parallel_size: int) -> int:
+        """Samples per optimizer step with `data_parallel_size` data-parallel ranks: the one global-batch
+        formula (plan, the loop, the bottleneck report, throughput and DeepSpeed's config use it)."""
+        return self.data.batch_size * data_parallel_size * self.trainer.grad_accum_steps
 
 
 def _union(options: list[type[PluginBlock]]) -> Any:

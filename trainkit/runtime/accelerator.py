@@ -57,7 +57,7 @@ def needs_cpu_collectives(recipe) -> bool:
       `all_gather_object` (replica digests, monitors) pickles into a tensor on the current CUDA
       device under nccl.
     """
-    return recipe.strategy.name == "fsdp" and bool(getattr(recipe.strategy, "cpu_offload", False))
+    return recipe.strategy.capabilities().cpu_collectives
 
 
 def accelerator_for(recipe, *, cuda_available: bool, local_rank: int = 0) -> Accelerator:

@@ -260,7 +260,7 @@ class Checkpointer:
                           file=sys.stderr, flush=True)
         state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
         saved_world = state.get("world_size", s.world_size)
-        if saved_world != s.world_size and not type(s).reshards_on_load:
+        if saved_world != s.world_size and not s.reshards_on_load:
             raise WorldSizeChanged(f"{folder} was saved by {saved_world} ranks and this launch has {s.world_size}: "
                                    f"{type(s).__name__} checkpoints cannot be resharded on load; resume with "
                                    f"{saved_world} ranks, or start a new run (name=...)")

@@ -12,7 +12,6 @@ import functools
 import math
 import os
 import pickle
-import signal
 import sys
 import time
 from pathlib import Path
@@ -22,9 +21,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .. import registry
-from ..recipe.blocks import Cifar10Data, DataOptions, ImageFolderData, SyntheticData
+from ..recipe.blocks import IMAGE_EXTENSIONS, Cifar10Data, DataOptions, ImageFolderData, SyntheticData, scan_imagefolder
+from .parent_watch import die_with_parent
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -61,14 +60,6 @@ def build_synthetic(options: SyntheticData, *, split: str, seed: int) -> Dataset
 
 
 # --------------------------------------------------------------------------- imagefolder
-def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
-    """Classes (sorted sub-folders) and (file, class index) pairs, like torchvision's ImageFolder."""
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    samples = [(f, i) for i, c in enumerate(classes) for f in sorted((root / c).rglob("*"))
-               if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()]
-    return classes, samples
-
-
 class ImageFolderDataset(Dataset):
     """Decodes real images with PIL; an unreadable one either raises (naming the file) or is
     replaced by the next readable image and counted."""
@@ -156,18 +147,6 @@ def build_cifar10(options: Cifar10Data, *, split: str, seed: int) -> Dataset:
     return Cifar10Dataset(Path(options.root).expanduser() / "cifar-10-batches-py", train=split == "train")
 
 
-def dataset_size(options: DataOptions) -> Optional[int]:
-    """Training set length without decoding anything (for preflight); None if unknown."""
-    if isinstance(options, SyntheticData):
-        return options.num_samples
-    if isinstance(options, ImageFolderData):
-        root = Path(options.root).expanduser()
-        return len(scan_imagefolder(root)[1]) if root.is_dir() else 0
-    if isinstance(options, Cifar10Data):
-        return 50000
-    return None
-
-
 # --------------------------------------------------------------------------- loader
 class ResumableDistributedSampler(DistributedSampler):
     """DistributedSampler that can start part-way into an epoch, so a resumed run sees exactly the
@@ -220,19 +199,6 @@ class EvalSampler(torch.utils.data.Sampler):
 def eval_subset_size(batch_size: int, eval_steps: int, data_parallel_size: int) -> int:
     """Samples one evaluation reads over all data-parallel ranks (fewer when the split is smaller)."""
     return batch_size * eval_steps * data_parallel_size
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), then make
-    sure the parent had not died already (before the request, the kernel would not know to send it).
-    No-op elsewhere than Linux."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # re-parented: the parent is gone
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _loader_worker_init(parent_pid: int, worker_id: int) -> None:

@@ -18,7 +18,7 @@ not returned to the kernel: resident memory stays near the run's high-water mark
 kernel when freed (glibc's dynamic threshold would otherwise rise and keep mid-sized blocks in the
 heap, where they fragment it). Lowest resident memory, a page fault per page of each re-allocation.
 
-`auto` takes the strategy's own choice on the CPU (`Strategy.host_allocator_on_cpu`), measured per
+`auto` takes the strategy's own choice on the CPU (`Capabilities.host_memory_on_cpu` of its options), measured per
 strategy with bench/strategies_memory.py (docs/benchmarks.md): DDP and the pipeline re-allocate the
 same tensors each step and get `retain` (a 105M-parameter MLP under DDP: 1.4-1.7x faster steps for 1-5%
 more peak memory); FSDP and DeepSpeed keep their own flat and bucket buffers, which fragment a retained
@@ -41,7 +41,6 @@ import ctypes
 import os
 from typing import Optional
 
-from .. import registry
 
 # mallopt(3) parameter numbers (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -75,9 +74,9 @@ def resolve(option: str, device_type: str, *, cpu_default: str = "retain") -> st
 
 def for_recipe(recipe, device_type: str) -> str:
     """The policy a recipe's run gets on `device_type` (the worker, the memory bench and tune ask here).
-    `auto` on the CPU is the strategy class's `host_allocator_on_cpu` (a plugin class without it: retain);
-    looking the class up imports the strategy's module."""
-    cpu_default = getattr(registry.component(recipe.strategy), "host_allocator_on_cpu", "retain")
+    `auto` on the CPU is the strategy options' `capabilities().host_memory_on_cpu` (retain unless the
+    strategy declares otherwise)."""
+    cpu_default = recipe.strategy.capabilities().host_memory_on_cpu
     return resolve(recipe.performance.host_allocator, device_type, cpu_default=cpu_default)
 
 

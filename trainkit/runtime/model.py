@@ -88,7 +88,7 @@ def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = F
     in `strategy.empty_init()` (meta parameters; DeepSpeed ZeRO-3: partitioned as they are built)
     and given their values by `strategy.materialize` (runtime.materialize says why and how)."""
     seeded = spec.init == "seeded" or (spec.init == "auto" and not spec.weights
-                                       and type(strategy).shards_parameters(strategy.options))
+                                       and strategy.capabilities.shards_parameters)
     if not seeded:
         return build_model(spec), "constructor"
     with strategy.empty_init():

@@ -12,7 +12,7 @@ fp16 loss scaling (`trainer.loss_scale`):
   ``update(new_scale=...)`` after every step.
 - ``None``: no scaling (the recipe rules warn; small gradients underflow).
 
-A strategy that scales the loss itself (DeepSpeed: `Strategy.owns_loss_scaling`) gets
+A strategy that scales the loss itself (DeepSpeed: `Capabilities.owns_loss_scaling`) gets
 ``Precision(..., scaler=False)``: autocast and dtype as usual, no torch scaler.
 
 fp16 on CPU works (torch >= 2.3 has a CPU GradScaler and CPU fp16 autocast); it is slow and meant

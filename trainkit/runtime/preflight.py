@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .. import registry
+from ..recipe.model_facts import facts_for
 from ..recipe.problems import Problem, did_you_mean
 
 Finding = tuple[tuple, str, str]  # (path, message, severity)
@@ -39,44 +40,23 @@ def _with_origin(resolved, path: tuple, message: str) -> str:
 
 # --------------------------------------------------------------------------- data
 def _data(r) -> Iterator[Finding]:
-    from .data import IMAGE_EXTENSIONS, scan_imagefolder
-
-    d = r.data
-    if d.num_workers == 0 and d.prefetch_factor is not None:
-        yield ("data", "prefetch_factor"), "prefetch_factor needs num_workers > 0 (DataLoader rejects it)", "error"
-    if d.num_workers == 0 and d.persistent_workers:
-        yield ("data", "persistent_workers"), "persistent_workers needs num_workers > 0", "warning"
-    if d.name == "imagefolder":
-        for key in ("root", "val_root"):
-            value = getattr(d, key)
-            if value is None:
-                continue
-            root = Path(value).expanduser()
-            if not root.is_dir():
-                yield ("data", key), f"data folder not found: {root} (absolute: {root.resolve()}); " \
-                    f"make a small one with `trainkit data make-imagefolder {value}`", "error"
-                continue
-            classes, samples = scan_imagefolder(root)
-            if not classes:
-                yield ("data", key), f"{root} has no class sub-folders (expected {root}/<class>/<image>)", "error"
-            elif not samples:
-                yield ("data", key), f"{root} has {len(classes)} class folders but no images " \
-                    f"({', '.join(IMAGE_EXTENSIONS)})", "error"
-    elif d.name == "cifar10":
-        folder = Path(d.root).expanduser() / "cifar-10-batches-py"
-        missing = [n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if not (folder / n).is_file()]
-        if missing:
-            yield ("data", "root"), f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} (trainkit never " \
-                f"downloads; unpack cifar-10-python.tar.gz into {Path(d.root).expanduser()})", "error"
+    """The dataset's own checks of what it reads: its options' (files and folders, light) and then
+    its component's (`preflight` on the builder, where it needs the runtime, e.g. tokenizers)."""
+    yield from r.data.preflight()
+    try:
+        builder = registry.component(r.data)
+    except Exception:  # a dataset that cannot be imported fails when the run builds it, with its error
+        return
+    hook = getattr(builder, "preflight", None)
+    if hook is not None:
+        yield from hook(r)
 
 
 def _batch_fits(r) -> Iterator[Finding]:
-    from .data import dataset_size
-
     dp = r.data_parallel_size
     if dp is None:
         return
-    n = dataset_size(r.data)
+    n = r.data.train_size()
     if not n:  # unknown, or already reported as missing
         return
     per_rank = -(-n // dp)  # DistributedSampler pads each rank's share up to ceil(n / dp)
@@ -122,82 +102,32 @@ def _model(r) -> Iterator[Finding]:
 
 
 # --------------------------------------------------------------------------- language models
-def _hf_config(r):
-    """(model_type, the transformers config the recipe builds) or raise LookupError with a message."""
-    config = dict(r.model.args.get("config") or {})
-    model_type = config.pop("model_type", None)
-    try:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
-    except ImportError:
-        raise LookupError("model hf_causal_lm needs Hugging Face transformers: pip install 'trainkit[hf]'") from None
-    if model_type not in CONFIG_MAPPING_NAMES:
-        known = sorted(CONFIG_MAPPING_NAMES)
-        raise LookupError(f"unknown Hugging Face model_type '{model_type}'{did_you_mean(str(model_type), known)} "
-                          f"({len(known)} known to transformers, e.g. llama, gpt2, qwen2, mistral)")
-    return CONFIG_MAPPING[model_type](**config)
-
-
 def model_vocab_and_positions(r):
-    """(vocabulary size, longest sequence) of the recipe's language model, None where unknown."""
-    if r.model.name == "transformer":
-        return r.model.args.get("vocab_size"), r.model.args.get("seq_len", 512)
-    if r.model.name == "hf_causal_lm":
-        from ..models.hf import max_positions
+    """(vocabulary size, longest sequence) of the recipe's model, None where unknown (its facts).
 
-        config = _hf_config(r)
-        return getattr(config, "vocab_size", None), max_positions(config.to_dict())
-    return None, None
+    Raises:
+        LookupError: the model's library does not know what the args name.
+    """
+    return facts_for(r.model.name).vocab_and_positions(r.model.args)
 
 
 def _language_model(r) -> Iterator[Finding]:
-    """Text data and LM models: files, the tokenizer against the model's vocabulary, the JSONL field,
-    the Hugging Face model type and its maximum length."""
+    """The model's declared vocabulary and maximum length against the data's sequences."""
     try:
         vocab, longest = model_vocab_and_positions(r)
     except LookupError as exc:
         path = ("model", "args", "config", "model_type") if "model_type" in str(exc) else ("model", "name")
         yield path, str(exc), "error"
-        vocab = longest = None
-    except Exception as exc:  # transformers rejected the config values
-        yield ("model", "args", "config"), f"{type(exc).__name__}: {exc}", "error"
-        vocab = longest = None
-    d = r.data
-    if r.model.name == "hf_causal_lm" and isinstance(longest, int) and getattr(d, "seq_len", 0) > longest:
-        yield ("data", "seq_len"), f"seq_len {d.seq_len} is longer than the model's maximum {longest} " \
-            f"(its config's position embeddings)", "error"
-    if d.name != "text":
         return
-    from .text_data import file_format, iter_jsonl_missing_field, tokenizer_vocab_size
-
-    generated = d.generate is not None
-    for key in ("files", "eval_files"):
-        for i, f in enumerate(getattr(d, key)):
-            if not Path(f).expanduser().is_file() and not generated:
-                yield ("data", key, i), f"text file not found: {f} (absolute: {Path(f).expanduser().resolve()}); " \
-                    f"or set data.generate to write a synthetic corpus there", "error"
-    present = [f for f in [*d.files, *d.eval_files] if Path(f).expanduser().is_file()]
-    jsonl = [f for f in present if file_format(f, d.format) == "json"]
-    for f, line in iter_jsonl_missing_field(jsonl, d.text_field):
-        yield ("data", "text_field"), f"{f}:{line}: the record has no field '{d.text_field}'; set " \
-            f"data.text_field to the field that holds the text", "error"
-    tokenizer = Path(d.tokenizer).expanduser()
-    ids = None
-    if tokenizer.is_file():
-        try:
-            ids = tokenizer_vocab_size(str(tokenizer))
-        except Exception as exc:
-            yield ("data", "tokenizer"), f"{tokenizer} is not a tokenizers file: {type(exc).__name__}: {exc}", "error"
-    elif generated:
-        ids = d.generate.vocab_size
-    else:
-        yield ("data", "tokenizer"), f"tokenizer file not found: {d.tokenizer} (absolute: {tokenizer.resolve()}); " \
-            f"train one with `trainkit data train-tokenizer {' '.join(d.files)} --out {d.tokenizer} " \
-            f"--vocab-size {vocab or 32000}`", "error"
-    if ids is not None and isinstance(vocab, int) and ids > vocab:
-        where = "data.generate.vocab_size" if not tokenizer.is_file() else f"the tokenizer {d.tokenizer}"
-        yield ("data", "tokenizer"), f"{where} has {ids} tokens but the model's vocabulary has {vocab}: " \
-            f"token ids past {vocab - 1} have no embedding; use a model vocab_size >= {ids} or another " \
-            f"tokenizer", "error"
+    except Exception as exc:  # the model's library rejected the args
+        yield ("model", "args", "config"), f"{type(exc).__name__}: {exc}", "error"
+        return
+    seq_len = getattr(r.data, "seq_len", 0)
+    facts = facts_for(r.model.name)
+    if isinstance(longest, int) and seq_len > longest and facts.max_positions(r.model.args) is None:
+        # the rules did not see this maximum (it comes from the library's defaults): say it here
+        yield ("data", "seq_len"), f"seq_len {seq_len} is longer than the model's maximum {longest} " \
+            f"(its config's position embeddings)", "error"
 
 
 # --------------------------------------------------------------------------- devices and backends
@@ -236,23 +166,6 @@ def _strategy(r) -> Iterator[Finding]:
         yield ("strategy", "name"), f"strategy '{r.strategy.name}' cannot be loaded here " \
             f"({type(exc).__name__}: {exc})", "error"
         return
-    hook = getattr(r.strategy, "comm_hook", "none")
-    import torch
-
-    from .accelerator import AcceleratorError, accelerator_for
-
-    try:
-        backend = accelerator_for(r, cuda_available=torch.cuda.is_available()).device_backend
-    except AcceleratorError:  # reported by _devices
-        return
-    if hook == "bf16_compress" and backend == "gloo":
-        error = _probe_hook_on_gloo("bf16_compress_hook")
-        if error:
-            yield ("strategy", "comm_hook"), f"bf16_compress does not work on gloo with this torch " \
-                f"({error}); use fp16_compress or none", "error"
-    if hook == "powersgd" and backend == "gloo":
-        yield ("strategy", "comm_hook"), "powersgd on gloo is known to fail or hang with several gradient " \
-            "buckets (pytorch#58467); it is only reliable here for small models", "warning"
 
 
 def _strategy_checks(r) -> Iterator[Finding]:
@@ -264,31 +177,3 @@ def _strategy_checks(r) -> Iterator[Finding]:
     hook = getattr(cls, "preflight", None)
     if hook is not None:
         yield from hook(r)
-
-
-_PROBE = """
-import sys, tempfile, torch, torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-model = DDP(torch.nn.Linear(4, 2))
-model.register_comm_hook(None, getattr(default_hooks, sys.argv[1]))
-model(torch.ones(2, 4)).sum().backward()
-dist.barrier(); dist.destroy_process_group()
-"""
-
-
-def _probe_hook_on_gloo(name: str) -> str:
-    """Run one backward through a 1-process gloo DDP with the hook (in a child process, so this
-    process never joins a process group); '' if it works, else the error's last line."""
-    import subprocess
-    import sys
-
-    try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, name], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return "the probe timed out"
-    if proc.returncode == 0:
-        return ""
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit code {proc.returncode}"

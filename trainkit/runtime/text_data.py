@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..recipe.blocks import TextData
+from ..recipe.model_facts import facts_for
 
 EOS = "<|endoftext|>"
 
@@ -229,3 +230,46 @@ def iter_jsonl_missing_field(files: list[str], field: str, limit: int = 1000) ->
                 if not isinstance(record, dict) or field not in record:
                     yield f, lineno
                     break
+
+
+# --------------------------------------------------------------------------- preflight
+def preflight_text(r) -> Iterator[tuple[tuple, str, str]]:
+    """Text data's checks before a run (runtime.preflight calls `build_text.preflight`): the files
+    exist, JSONL records have the text field, and the tokenizer fits the model's vocabulary."""
+    d = r.data
+    try:
+        vocab = facts_for(r.model.name).vocab_and_positions(r.model.args)[0]
+    except Exception:  # reported by preflight's model checks
+        vocab = None
+    generated = d.generate is not None
+    for key in ("files", "eval_files"):
+        for i, f in enumerate(getattr(d, key)):
+            if not Path(f).expanduser().is_file() and not generated:
+                yield ("data", key, i), f"text file not found: {f} (absolute: {Path(f).expanduser().resolve()}); " \
+                    f"or set data.generate to write a synthetic corpus there", "error"
+    present = [f for f in [*d.files, *d.eval_files] if Path(f).expanduser().is_file()]
+    jsonl = [f for f in present if file_format(f, d.format) == "json"]
+    for f, line in iter_jsonl_missing_field(jsonl, d.text_field):
+        yield ("data", "text_field"), f"{f}:{line}: the record has no field '{d.text_field}'; set " \
+            f"data.text_field to the field that holds the text", "error"
+    tokenizer = Path(d.tokenizer).expanduser()
+    ids = None
+    if tokenizer.is_file():
+        try:
+            ids = tokenizer_vocab_size(str(tokenizer))
+        except Exception as exc:
+            yield ("data", "tokenizer"), f"{tokenizer} is not a tokenizers file: {type(exc).__name__}: {exc}", "error"
+    elif generated:
+        ids = d.generate.vocab_size
+    else:
+        yield ("data", "tokenizer"), f"tokenizer file not found: {d.tokenizer} (absolute: {tokenizer.resolve()}); " \
+            f"train one with `trainkit data train-tokenizer {' '.join(d.files)} --out {d.tokenizer} " \
+            f"--vocab-size {vocab or 32000}`", "error"
+    if ids is not None and isinstance(vocab, int) and ids > vocab:
+        where = "data.generate.vocab_size" if not tokenizer.is_file() else f"the tokenizer {d.tokenizer}"
+        yield ("data", "tokenizer"), f"{where} has {ids} tokens but the model's vocabulary has {vocab}: " \
+            f"token ids past {vocab - 1} have no embedding; use a model vocab_size >= {ids} or another " \
+            f"tokenizer", "error"
+
+
+build_text.preflight = preflight_text  # the dataset component's hook (runtime.preflight._data)

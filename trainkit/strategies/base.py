@@ -39,21 +39,24 @@ class Strategy:
     """
 
     comm_timer = None  # a runtime.timing.CommTimer, set before setup() when a monitor measures communication
-    # True when the strategy scales fp16 losses itself (DeepSpeed's fp16 engine): the worker then
-    # builds `Precision(..., scaler=False)`, so no torch GradScaler runs beside it.
-    owns_loss_scaling: bool = False
-    # A checkpoint saved by N ranks loads on M ranks (replicated state, or DCP-sharded state that DCP
-    # reshards); False where the files are per-rank partitions of a fixed layout.
-    reshards_on_load: bool = True
-    # Ranks hold different parts of the model (pipeline stages): MFU credits each rank with its own FLOPs.
-    splits_model: bool = False
-    # performance.host_allocator: auto on the CPU (runtime.host_allocator): "retain" where each step frees and
-    # re-allocates the same tensors (fast, no page faults); "release" where the strategy's own flat/bucket
-    # buffers would fragment a retained heap. Chosen by measurement (bench/strategies_memory.py).
-    host_allocator_on_cpu: str = "retain"
 
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
+
+    # ---- what the strategy declares (its options class: recipe.blocks.strategy.Capabilities)
+    @property
+    def capabilities(self):
+        return self.options.capabilities()
+
+    @property
+    def reshards_on_load(self) -> bool:
+        """A checkpoint saved by N ranks loads on M ranks."""
+        return self.capabilities.reshards_on_load
+
+    @property
+    def splits_model(self) -> bool:
+        """Ranks hold different parts of the model (pipeline stages): MFU credits each rank's own FLOPs."""
+        return self.capabilities.splits_model
 
     @property
     def performance(self):
@@ -83,12 +86,6 @@ class Strategy:
         return self.world_size
 
     # ---- build
-    @classmethod
-    def shards_parameters(cls, options) -> bool:
-        """Each rank keeps only part of every parameter: `model.init: auto` then builds the model
-        on the meta device (runtime.materialize) instead of whole on every rank."""
-        return False
-
     def empty_init(self) -> ContextManager:
         """Where a seeded model is built: parameters on the meta device, no memory."""
         return parameters_on_meta()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
-from typing import ContextManager
+from typing import ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -18,6 +20,25 @@ from .base import Strategy
 
 class DDPStrategy(Strategy):
     options: DDPOptions
+
+    @classmethod
+    def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
+        """Communication hooks this torch cannot run on gloo (CPU runs): probed, not assumed."""
+        from ..runtime.accelerator import AcceleratorError, accelerator_for
+
+        hook = recipe.strategy.comm_hook
+        try:
+            backend = accelerator_for(recipe, cuda_available=torch.cuda.is_available()).device_backend
+        except AcceleratorError:  # reported by preflight's device checks
+            return
+        if hook == "bf16_compress" and backend == "gloo":
+            error = probe_hook_on_gloo("bf16_compress_hook")
+            if error:
+                yield ("strategy", "comm_hook"), f"bf16_compress does not work on gloo with this torch " \
+                    f"({error}); use fp16_compress or none", "error"
+        if hook == "powersgd" and backend == "gloo":
+            yield ("strategy", "comm_hook"), "powersgd on gloo is known to fail or hang with several gradient " \
+                "buckets (pytorch#58467); it is only reliable here for small models", "warning"
 
     def setup(self, model: nn.Module, optimizer_factory):
         model = model.to(self.device)
@@ -80,3 +101,28 @@ class DDPStrategy(Strategy):
     def consolidated_state_dict(cls, folder: Path) -> dict:
         """DDP already writes one whole-model file."""
         return torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+
+
+_PROBE = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = DDP(torch.nn.Linear(4, 2))
+model.register_comm_hook(None, getattr(default_hooks, sys.argv[1]))
+model(torch.ones(2, 4)).sum().backward()
+dist.barrier(); dist.destroy_process_group()
+"""
+
+
+def probe_hook_on_gloo(name: str) -> str:
+    """Run one backward through a 1-process gloo DDP with the hook (in a child process, so this
+    process never joins a process group); '' if it works, else the error's last line."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, name], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "the probe timed out"
+    if proc.returncode == 0:
+        return ""
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {proc.returncode}"

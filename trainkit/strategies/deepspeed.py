@@ -77,14 +77,7 @@ def _import_deepspeed():
 
 
 class DeepSpeedStrategy(Strategy):
-    reshards_on_load = False  # ZeRO partitions are per rank (DeepSpeed's universal checkpoint is not used)
     options: DeepSpeedOptions
-    owns_loss_scaling = True  # ds_config's fp16.loss_scale (0: dynamic, else fixed); no torch GradScaler
-    host_allocator_on_cpu = "release"  # retain fragments the heap around DeepSpeed's flat buffers (bench)
-
-    @classmethod
-    def shards_parameters(cls, options) -> bool:
-        return options.zero_stage == 3
 
     def empty_init(self):
         """ZeRO-3: DeepSpeed's own `zero.Init` partitions each module's parameters as soon as the
@@ -217,7 +210,7 @@ class DeepSpeedStrategy(Strategy):
         import json
 
         ws = recipe.world_size
-        derived = recipe.data.batch_size * recipe.trainer.grad_accum_steps * ws if ws else "?"
+        derived = recipe.global_batch_at(recipe.strategy.data_parallel_size(ws)) if ws else "?"
         return [f"ds_config:       {json.dumps(ds_config_for(recipe), sort_keys=True)}",
                 f"                 (train_batch_size derived by DeepSpeed: {derived})"]
 

@@ -1,0 +1,196 @@
+"""Dataset options: the `data:` block of each built-in dataset plugin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Literal, Optional
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+
+from .base import Block, Finding, PluginBlock, PreflightFinding
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
+    """Classes (sorted sub-folders) and (file, class index) pairs, like torchvision's ImageFolder."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    samples = [(f, i) for i, c in enumerate(classes) for f in sorted((root / c).rglob("*"))
+               if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()]
+    return classes, samples
+
+
+class DataOptions(PluginBlock):
+    """DataLoader settings shared by every dataset. `batch_size` is per device."""
+
+    batch_size: PositiveInt = Field(description="samples per device per micro-step")
+    num_workers: NonNegativeInt = Field(default=0, description="DataLoader worker processes per rank")
+    pin_memory: bool = Field(default=False, description="page-locked host memory (faster host-to-GPU copies)")
+    prefetch_factor: Optional[PositiveInt] = Field(default=None, description="batches prefetched per worker")
+    persistent_workers: bool = Field(default=False, description="keep workers alive across epochs")
+    drop_last: bool = Field(default=True, description="drop the last incomplete batch of each epoch")
+    shuffle: bool = Field(default=True, description="shuffle each epoch (DistributedSampler, seeded)")
+
+    # what one batch is: "labelled" (input, label) pairs or "tokens" (token sequences); tasks declare
+    # which they accept (TaskOptions.accepts)
+    batches: ClassVar[str] = "labelled"
+
+    def train_size(self) -> Optional[int]:
+        """Training samples, where knowable without decoding anything (plan, preflight); None if unknown."""
+        return None
+
+    def sample_shape(self) -> Optional[list[int]]:
+        """The shape of one input sample, where the options say it (the pipeline tracer, doctor's memory)."""
+        return None
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        """Cross-field rules of this dataset against the whole recipe (validate; no torch)."""
+        return iter(())
+
+    def preflight(self) -> Iterator[PreflightFinding]:
+        """Checks of the files this dataset reads (run, plan, validate --deep): (path, message, severity)."""
+        return iter(())
+
+    def fix_missing_folder(self, value: str, where: str) -> str:
+        """What `trainkit doctor` suggests when a data folder does not exist."""
+        return f"point {where} at the dataset folder"
+
+    def fix_layout(self, root: Path, where: str) -> str:
+        """What `trainkit doctor` suggests when a data folder's layout is wrong."""
+        return f"arrange it as {root}/<class>/<image>.jpg, or fix {where}"
+
+    layout_note: ClassVar[str] = ""  # doctor's note on a readable folder with the right layout
+
+
+class SyntheticData(DataOptions):
+    """Deterministic random tensors: for smoke tests and framework-overhead benchmarks."""
+
+    component: ClassVar[str] = "trainkit.runtime.data:build_synthetic"
+    name: Literal["synthetic"]
+    num_samples: PositiveInt = Field(default=1024, description="dataset length")
+    shape: list[PositiveInt] = Field(default_factory=lambda: [3, 32, 32], min_length=1,
+                                     description="shape of one input sample")
+    num_classes: PositiveInt = Field(default=10, description="labels are drawn from [0, num_classes)")
+    sleep_ms: NonNegativeFloat = Field(default=0.0, description="artificial per-sample latency (planted-fault tests)")
+
+    def train_size(self) -> Optional[int]:
+        return self.num_samples
+
+    def sample_shape(self) -> Optional[list[int]]:
+        return list(self.shape)
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        if recipe.performance.channels_last and len(self.shape) != 3:
+            yield ("performance", "channels_last"), (
+                f"channels_last needs 4-D inputs (batch, channels, height, width); data.shape {list(self.shape)} "
+                f"makes {len(self.shape) + 1}-D batches: set it to false, or use a [C, H, W] shape")
+
+
+class ImageFolderData(DataOptions):
+    """A folder of class sub-folders of JPEG/PNG images (the ImageNet layout)."""
+
+    component: ClassVar[str] = "trainkit.runtime.data:build_imagefolder"
+    name: Literal["imagefolder"]
+    root: str = Field(description="training folder: ROOT/<class>/<image>")
+    val_root: Optional[str] = Field(default=None, description="evaluation folder with the same layout")
+    image_size: PositiveInt = Field(default=224, description="side of the square crop fed to the model")
+    on_corrupt: Literal["error", "skip"] = Field(
+        default="error", description="what to do with an unreadable image: fail, or skip it and count it"
+    )
+    layout_note: ClassVar[str] = ", class folders with images"
+
+    def train_size(self) -> Optional[int]:
+        root = Path(self.root).expanduser()
+        try:
+            return len(scan_imagefolder(root)[1]) if root.is_dir() else 0
+        except OSError:
+            return None
+
+    def sample_shape(self) -> Optional[list[int]]:
+        return [3, self.image_size, self.image_size]
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        if recipe.trainer.eval_every is not None and self.val_root is None:
+            yield ("trainer", "eval_every"), "evaluation needs data.val_root (a folder of held-out images)"
+
+    def preflight(self) -> Iterator[PreflightFinding]:
+        for key in ("root", "val_root"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            root = Path(value).expanduser()
+            if not root.is_dir():
+                yield ("data", key), f"data folder not found: {root} (absolute: {root.resolve()}); " \
+                    f"make a small one with `trainkit data make-imagefolder {value}`", "error"
+                continue
+            classes, samples = scan_imagefolder(root)
+            if not classes:
+                yield ("data", key), f"{root} has no class sub-folders (expected {root}/<class>/<image>)", "error"
+            elif not samples:
+                yield ("data", key), f"{root} has {len(classes)} class folders but no images " \
+                    f"({', '.join(IMAGE_EXTENSIONS)})", "error"
+
+    def fix_missing_folder(self, value: str, where: str) -> str:
+        return f"point {where} at the dataset folder, or make a small one: trainkit data make-imagefolder {value}"
+
+
+class Cifar10Data(DataOptions):
+    """CIFAR-10 from a local folder holding `cifar-10-batches-py` (never downloaded)."""
+
+    component: ClassVar[str] = "trainkit.runtime.data:build_cifar10"
+    name: Literal["cifar10"]
+    root: str = Field(description="folder containing cifar-10-batches-py/")
+
+    def train_size(self) -> Optional[int]:
+        return 50_000
+
+    def sample_shape(self) -> Optional[list[int]]:
+        return [3, 32, 32]
+
+    def preflight(self) -> Iterator[PreflightFinding]:
+        folder = Path(self.root).expanduser() / "cifar-10-batches-py"
+        missing = [n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if not (folder / n).is_file()]
+        if missing:
+            yield ("data", "root"), f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} (trainkit never " \
+                f"downloads; unpack cifar-10-python.tar.gz into {Path(self.root).expanduser()})", "error"
+
+    def fix_layout(self, root: Path, where: str) -> str:
+        return f"unpack cifar-10-python.tar.gz into {root}, or fix {where}"
+
+
+class TextCorpusOptions(Block):
+    """A deterministic synthetic-language corpus written on first use (tests, docs, the LM demo)."""
+
+    documents: PositiveInt = Field(default=2000, description="training documents (eval gets a tenth more)")
+    seed: int = Field(default=0, description="corpus generator seed")
+    vocab_size: PositiveInt = Field(default=512, ge=260, description="byte-level BPE vocabulary trained on it")
+
+
+class TextData(DataOptions):
+    """Local text (one document per line) or JSONL files, tokenized and packed into seq_len blocks."""
+
+    component: ClassVar[str] = "trainkit.runtime.text_data:build_text"
+    name: Literal["text"]
+    files: list[str] = Field(min_length=1, description="training files (.txt: a document per line; .jsonl)")
+    eval_files: list[str] = Field(default_factory=list, description="held-out files for eval perplexity")
+    format: Literal["auto", "text", "jsonl"] = Field(default="auto", description="auto: .jsonl/.json is JSONL")
+    text_field: str = Field(default="text", description="the JSONL field holding the text")
+    tokenizer: str = Field(description="tokenizer.json of HF `tokenizers` (e.g. from `trainkit data train-tokenizer`)")
+    seq_len: PositiveInt = Field(description="tokens per training sequence (inputs; targets are shifted by one)")
+    generate: Optional[TextCorpusOptions] = Field(
+        default=None, description="write a synthetic corpus and train its tokenizer when the files are missing")
+
+    batches: ClassVar[str] = "tokens"
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        if self.batches not in recipe.task.accepts:
+            yield ("data", "name"), (f"text data yields token sequences, not (input, label) pairs, so it cannot "
+                                     f"train task {recipe.task.name}"
+                                     + (" (the default)" if "task" not in recipe.model_fields_set else "")
+                                     + "; set task: {name: causal_lm}")
+        if self.generate is not None:
+            if len(self.files) != 1:
+                yield ("data", "files"), "data.generate writes one training file: list exactly one in data.files"
+            if len(self.eval_files) > 1:
+                yield ("data", "eval_files"), ("data.generate writes one held-out file: list at most one in "
+                                               "data.eval_files")

@@ -1,0 +1,66 @@
+"""DeepSpeed ZeRO's options: what `validate`, `plan` and `tune` know about it (the component:
+trainkit.strategies.deepspeed)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Iterator, Literal
+
+from pydantic import Field
+
+from .base import Finding
+from .knobs import Knob
+from .strategy import Capabilities, ParallelDims, StrategyOptions
+
+# ds_config keys the recipe sets itself: -> the recipe key to use instead
+OWNED_BY_THE_RECIPE = {
+    "train_batch_size": "data.batch_size and trainer.grad_accum_steps",
+    "train_micro_batch_size_per_gpu": "data.batch_size",
+    "gradient_accumulation_steps": "trainer.grad_accum_steps",
+    "gradient_clipping": "trainer.grad_clip",
+    "fp16": "precision", "bf16": "precision",
+    "optimizer": "optimizer", "scheduler": "scheduler",
+}
+
+
+class DeepSpeedOptions(StrategyOptions):
+    """DeepSpeed ZeRO, launched under torchrun like every other strategy."""
+
+    component: ClassVar[str] = "trainkit.strategies.deepspeed:DeepSpeedStrategy"
+    name: Literal["deepspeed"]
+    zero_stage: int = Field(default=3, ge=0, le=3, description="ZeRO stage 0-3")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(default="none", description="optimizer state offload")
+    offload_param: Literal["none", "cpu", "nvme"] = Field(default="none", description="parameter offload (stage 3)")
+    config: dict[str, Any] = Field(default_factory=dict, description="passed through to the DeepSpeed config")
+    requires_packages: ClassVar[tuple[str, ...]] = ("deepspeed",)
+
+    def capabilities(self) -> Capabilities:
+        # ZeRO partitions are per rank (DeepSpeed's universal checkpoint is not used): no resharding on load.
+        # The engine owns the optimizer step and fp16 loss scaling (ds_config's fp16.loss_scale).
+        # host memory: retain fragments the heap around DeepSpeed's flat buffers (bench).
+        return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True,
+                            owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release")
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        if self.zero_stage == 0:
+            return ParallelDims(dp_replicate=world_size)
+        return ParallelDims(dp_shard=world_size)
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            yield ("strategy", "offload_param"), (
+                f"parameter offload needs zero_stage 3 (got zero_stage {self.zero_stage})")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            yield ("strategy", "offload_optimizer"), "optimizer offload needs zero_stage 1, 2 or 3 (got 0)"
+        for key in self.config:
+            if key in OWNED_BY_THE_RECIPE:
+                yield ("strategy", "config", key), (f"set by the recipe, not the pass-through config: use "
+                                                    f"{OWNED_BY_THE_RECIPE[key]}")
+        zero = self.config.get("zero_optimization", {})
+        if isinstance(zero, dict) and "stage" in zero:
+            yield ("strategy", "config", "zero_optimization", "stage"), "use strategy.zero_stage"
+
+    @classmethod
+    def tune_knobs(cls) -> list[Knob]:
+        return [Knob("zero_stage", "strategy.zero_stage",
+                     lambda r, f: [r.strategy.zero_stage - 1] if r.strategy.zero_stage > 0 else [],
+                     owner=DeepSpeedOptions)]

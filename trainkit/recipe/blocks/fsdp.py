@@ -1,0 +1,54 @@
+"""FSDP2's options: what `validate`, `plan` and `tune` know about it (the component: trainkit.strategies.fsdp)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Iterator, Literal
+
+from pydantic import Field
+
+from .base import Finding
+from .knobs import Knob, flip
+from .strategy import Capabilities, ParallelDims, StrategyOptions
+
+
+class FSDPOptions(StrategyOptions):
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across ranks."""
+
+    component: ClassVar[str] = "trainkit.strategies.fsdp:FSDPStrategy"
+    name: Literal["fsdp"]
+    reshard_after_forward: bool = Field(default=True, description="free gathered parameters after forward")
+    cpu_offload: bool = Field(default=False, description="keep sharded parameters on the CPU")
+    wrap: list[str] = Field(default_factory=list, description="module class names sharded as units (empty: automatic)")
+    activation_checkpointing: bool = Field(default=False, description="deprecated: use performance."
+                                                                      "activation_checkpointing: full (recomputes "
+                                                                      "the wrapped units)")
+
+    def capabilities(self) -> Capabilities:
+        # cpu_offload: sharded parameters and gradients live on the CPU as DTensors, so clipping's
+        # full_tensor(), the GradScaler's found-inf all-reduce and the replica digests are collectives
+        # over CPU tensors, which nccl cannot carry (torchtitan adds cpu:gloo for its CPU offload too).
+        # host memory: retain fragments the heap around FSDP's buffers (peak RSS 2x, bench).
+        return Capabilities(shards_parameters=True, cpu_collectives=self.cpu_offload, host_memory_on_cpu="release",
+                            unsupported_performance={"sync_batchnorm": (
+                                "FSDP2 does not synchronise BatchNorm buffers through SyncBatchNorm's process "
+                                "group; set it to false, or use strategy ddp")})
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(dp_shard=world_size)
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        ac = recipe.performance.checkpointing
+        if self.activation_checkpointing and recipe.performance.compile_options is not None and ac.mode == "none":
+            yield ("performance", "compile"), (
+                "compile together with activation checkpointing is not supported: trainkit checkpoints blocks "
+                "with hooks (torch.distributed._composable.checkpoint), which torch.compile cannot trace; use "
+                "one of them")
+        if self.activation_checkpointing and ac.mode != "none":
+            yield ("strategy", "activation_checkpointing"), (
+                "set either the deprecated strategy.activation_checkpointing or "
+                "performance.activation_checkpointing, not both")
+
+    @classmethod
+    def tune_knobs(cls) -> list[Knob]:
+        return [Knob("reshard_after_forward", "strategy.reshard_after_forward",
+                     flip("strategy.reshard_after_forward", False), owner=FSDPOptions)]

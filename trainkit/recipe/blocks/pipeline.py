@@ -1,0 +1,72 @@
+"""The pipeline's options: what `validate`, `plan` and `tune` know about it (the component:
+trainkit.strategies.pipeline)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Iterator, Literal
+
+from pydantic import Field, PositiveInt
+
+from .base import Finding
+from .strategy import Capabilities, ParallelDims, StrategyOptions
+
+
+class PipelineOptions(StrategyOptions):
+    """torch.distributed.pipelining: the model split into stages, one per rank."""
+
+    component: ClassVar[str] = "trainkit.strategies.pipeline:PipelineStrategy"
+    name: Literal["pipeline"]
+    microbatches: PositiveInt = Field(default=4, description="micro-batches each batch is split into")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(default="1f1b", description="pipeline schedule")
+    split_points: list[str] = Field(
+        default_factory=list, description="module names where a new stage begins (empty: balance by parameters)"
+    )
+    data_parallel: PositiveInt = Field(
+        default=1, description="replicas of the whole pipeline, each reading its own share of the data (2-D: "
+                               "world size = data_parallel x ranks per pipeline; gradients all-reduced per stage)")
+
+    def capabilities(self) -> Capabilities:
+        # stage files follow the stage count, which is the world size: no resharding on load
+        return Capabilities(splits_model=True, reshards_on_load=False)
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(dp_replicate=self.data_parallel, pp=max(1, world_size // self.data_parallel))
+
+    def plan_lines(self, recipe: Any) -> list[str]:
+        ws = recipe.world_size
+        stages = ws // self.data_parallel if ws is not None else "?"
+        replicas = f", {self.data_parallel} pipeline replicas" if self.data_parallel > 1 else ""
+        return [f"pipeline:        {stages} stages{replicas}, {self.microbatches} microbatches, "
+                f"schedule {self.schedule}"]
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        s, r = self, recipe
+        if r.data.batch_size % s.microbatches:
+            yield ("strategy", "microbatches"), (
+                f"data.batch_size {r.data.batch_size} is not divisible by strategy.microbatches {s.microbatches}; "
+                f"each micro-batch must be whole (e.g. batch_size "
+                f"{s.microbatches * max(1, r.data.batch_size // s.microbatches)})")
+        gb = r.global_batch
+        if gb is not None and gb % s.microbatches and not r.data.batch_size % s.microbatches:
+            yield ("strategy", "microbatches"), (
+                f"global batch {gb} (batch_size x data-parallel size x grad_accum_steps) is not divisible by "
+                f"{s.microbatches} microbatches")
+        ws = r.world_size
+        if ws is not None and ws % s.data_parallel:
+            yield ("strategy", "data_parallel"), (
+                f"data_parallel {s.data_parallel} does not divide the world size {ws}: each of the "
+                f"{s.data_parallel} pipeline replicas needs the same number of ranks")
+            return
+        ranks = None if ws is None else ws // s.data_parallel  # ranks per pipeline
+        per = f" (world size {ws} / data_parallel {s.data_parallel})" if s.data_parallel > 1 else " (the world size)"
+        if s.schedule == "interleaved_1f1b" and ranks is not None and s.split_points \
+                and (len(s.split_points) + 1) % ranks:
+            yield ("strategy", "split_points"), (
+                f"interleaved_1f1b places several stages on each rank: {len(s.split_points) + 1} stages "
+                f"do not divide evenly over {ranks} ranks per pipeline{per}")
+        if ranks is not None and s.split_points and s.schedule != "interleaved_1f1b" \
+                and len(s.split_points) + 1 != ranks:
+            yield ("strategy", "split_points"), (
+                f"{len(s.split_points)} split points make {len(s.split_points) + 1} stages, but a pipeline has "
+                f"{ranks} ranks{per}, one stage per rank; use {ranks - 1} split points or change "
+                f"launch.nproc_per_node")

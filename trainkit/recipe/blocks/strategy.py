@@ -1,0 +1,116 @@
+"""What a strategy declares about itself, so that nothing outside its own two files asks its name.
+
+A strategy plugin is two files: its options class (here, in the recipe layer: light, no torch)
+and its component (`trainkit.strategies.<name>`). The options class owns what is known before
+anything runs: its capabilities, how it lays the world out (`ParallelDims`, the one data-parallel
+size behind every global-batch figure), its cross-field rules, its lines in `trainkit plan` and
+its `trainkit tune` knobs. Everything else asks these, never `strategy.name`, so a plugin that
+subclasses a built-in strategy inherits all of it (Lightning Fabric's strategies keep working under
+`isinstance` the same way). `ParallelDims` follows torchtitan's: one object that knows the degrees
+of each parallel dimension, ready for tensor parallel and hybrid sharding to be added as fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Mapping
+
+from .base import Finding, PluginBlock
+from .knobs import Knob
+
+PRECISIONS = frozenset({"fp32", "fp16", "bf16"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """How `world_size` ranks are laid out; the degrees multiply to the world size.
+
+    dp_replicate: ranks holding the same parameters and reading different data (DDP, pipeline replicas).
+    dp_shard: ranks sharding the parameters and reading different data (FSDP, ZeRO).
+    pp: pipeline stages, ranks of one pipeline (they read the same data).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: how many different micro-batches one micro-step consumes across the job."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a strategy does, asked instead of its name.
+
+    bucketed_allreduce: gradients are all-reduced in buckets during backward by DDP's reducer, so
+        bucket size, communication hooks and a static graph apply (the options carry bucket_cap_mb,
+        comm_hook, static_graph, find_unused_parameters).
+    shards_parameters: each rank keeps only part of every parameter (`model.init: auto` builds on meta).
+    splits_model: ranks hold different layers (MFU counts each rank's own FLOPs; the model must split).
+    owns_optimizer_step: the strategy's engine runs the optimizer step (the loop cannot skip one).
+    owns_loss_scaling: the strategy scales fp16 losses itself (no torch GradScaler beside it).
+    reshards_on_load: a checkpoint saved by N ranks loads on M.
+    cpu_collectives: on GPUs it also runs collectives over CPU tensors (needs `cpu:gloo` beside nccl).
+    host_memory_on_cpu: `performance.host_allocator: auto` on the CPU, measured per strategy
+        (bench/strategies_memory.py): "retain" or "release".
+    precisions: the `precision` values it trains in.
+    unsupported_performance: performance option -> why this strategy cannot apply it, with the fix.
+    """
+
+    bucketed_allreduce: bool = False
+    shards_parameters: bool = False
+    splits_model: bool = False
+    owns_optimizer_step: bool = False
+    owns_loss_scaling: bool = False
+    reshards_on_load: bool = True
+    cpu_collectives: bool = False
+    host_memory_on_cpu: str = "retain"
+    precisions: frozenset = PRECISIONS
+    unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
+
+
+SYNC_BATCHNORM_NEEDS_DDP = {"sync_batchnorm": "torch's SyncBatchNorm synchronises statistics through DDP's process "
+                                              "group; set it to false, or use strategy ddp"}
+
+
+class StrategyOptions(PluginBlock):
+    """Base of every strategy's options; the defaults describe plain data parallelism."""
+
+    # distributions its component needs beyond torch (`trainkit doctor` checks their versions)
+    requires_packages: ClassVar[tuple[str, ...]] = ()
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The layout of `world_size` ranks (plain data parallel: every rank a replica)."""
+        return ParallelDims(dp_replicate=world_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Different batches one micro-step consumes: the one factor of every global-batch figure."""
+        return self.parallel_dims(world_size).dp
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        """This strategy's cross-field rules on the whole recipe, checked by `validate` (no torch)."""
+        return iter(())
+
+    def plan_lines(self, recipe: Any) -> list[str]:
+        """What `trainkit plan` shows about this strategy beyond the world size and global batch."""
+        return []
+
+    @classmethod
+    def tune_knobs(cls) -> list[Knob]:
+        """The strategy's own `trainkit tune` knobs (each with `owner` set to the class that defines it)."""
+        return []
+
+    @classmethod
+    def plugin_name(cls) -> str:
+        """The `name:` this options class accepts (its Literal tag)."""
+        annotation = cls.model_fields["name"].annotation
+        return str(getattr(annotation, "__args__", ("?",))[0])

@@ -1,0 +1,104 @@
+"""What the rules know about a model before it is built: its longest sequence, its vocabulary and
+whether the pipeline can split it.
+
+A model plugin declares these, light (no torch), as an object in the `trainkit.model_facts`
+entry-point group under its model's name; `facts_for` finds them. A model without facts (torchvision,
+import paths, plugins that declare none) gets `ModelFacts()`: the rules that need a fact stay silent.
+The built-in transformer's and Hugging Face causal LM's facts are at the end of this module.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib.metadata import entry_points
+from typing import Any, Optional
+
+
+class ModelFacts:
+    """Defaults: nothing known, and the model may be split into pipeline stages."""
+
+    splits_into_stages = True  # an nn.Sequential of blocks that the pipeline splits at module names
+    positions_key = "args"  # the model.args key that sets the longest sequence (for messages)
+
+    def max_positions(self, args: dict) -> Optional[int]:
+        """The longest sequence the model is built for, when its args say it (validate; no imports)."""
+        return None
+
+    def vocab_and_positions(self, args: dict) -> tuple[Optional[int], Optional[int]]:
+        """(vocabulary size, longest sequence), possibly importing the model's library (preflight).
+
+        Raises:
+            LookupError: the args name something the library does not know (message for the user).
+        """
+        return None, self.max_positions(args)
+
+
+@lru_cache(maxsize=None)
+def _declared() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group="trainkit.model_facts")}
+
+
+def facts_for(model_name: str) -> ModelFacts:
+    """The facts a model plugin declares (ModelFacts() when it declares none or they fail to load)."""
+    ep = _declared().get(model_name)
+    if ep is None:
+        return ModelFacts()
+    try:
+        facts = ep.load()
+    except Exception:  # a broken third-party declaration must not break validation of other recipes
+        return ModelFacts()
+    return facts() if isinstance(facts, type) else facts
+
+
+# --------------------------------------------------------------------------- built-in models' facts
+class TransformerFacts(ModelFacts):
+    """trainkit.models.transformer: an nn.Sequential of blocks (the pipeline splits at layers.N)."""
+
+    positions_key = "seq_len"
+
+    def max_positions(self, args: dict) -> Optional[int]:
+        return args.get("seq_len", 512)
+
+    def vocab_and_positions(self, args: dict) -> tuple[Optional[int], Optional[int]]:
+        return args.get("vocab_size"), args.get("seq_len", 512)
+
+
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+class HFCausalLMFacts(ModelFacts):
+    """trainkit.models.hf: a transformers causal LM built from `args.config` (not an nn.Sequential)."""
+
+    splits_into_stages = False
+    positions_key = "config"
+
+    def max_positions(self, args: dict) -> Optional[int]:
+        config = args.get("config")
+        if isinstance(config, dict):
+            for key in MAX_POSITION_KEYS:
+                if isinstance(config.get(key), int):
+                    return config[key]
+        return None
+
+    def vocab_and_positions(self, args: dict) -> tuple[Optional[int], Optional[int]]:
+        config = self._config(args)
+        described = config.to_dict()
+        return getattr(config, "vocab_size", None), next(
+            (described[k] for k in MAX_POSITION_KEYS if isinstance(described.get(k), int)), None)
+
+    @staticmethod
+    def _config(args: dict) -> Any:
+        """The transformers config the recipe builds, or LookupError with a message."""
+        from .problems import did_you_mean
+
+        config = dict(args.get("config") or {})
+        model_type = config.pop("model_type", None)
+        try:  # deferred: transformers is an optional extra and slow to import
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+        except ImportError:
+            raise LookupError("model hf_causal_lm needs Hugging Face transformers: pip install 'trainkit[hf]'") from None
+        if model_type not in CONFIG_MAPPING_NAMES:
+            known = sorted(CONFIG_MAPPING_NAMES)
+            raise LookupError(f"unknown Hugging Face model_type '{model_type}'{did_you_mean(str(model_type), known)} "
+                              f"({len(known)} known to transformers, e.g. llama, gpt2, qwen2, mistral)")
+        return CONFIG_MAPPING[model_type](**config)
