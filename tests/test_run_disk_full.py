@@ -104,7 +104,7 @@ def test_the_launcher_names_the_full_disk_when_no_rank_could_report_it(tmp_path)
 def test_an_error_report_that_does_not_fit_is_left_out_not_left_half_written(tmp_path, monkeypatch):
     """Guards the agent against a truncated error.json (it crashed on one with JSONDecodeError and every
     rank's report was lost): on a full disk the rank's error file is absent, never empty."""
-    from trainkit.runtime import worker
+    from trainkit.runtime import error_file as rank_error
 
     with tmpfs(tmp_path / "disk", "64k") as disk:
         error_file = disk / "error.json"
@@ -113,21 +113,21 @@ def test_an_error_report_that_does_not_fit_is_left_out_not_left_half_written(tmp
         try:
             raise RuntimeError("x" * 20_000)  # a report bigger than any page left
         except RuntimeError as exc:
-            worker._record_error(exc, error_file)
+            rank_error.record(exc, error_file)
         assert not error_file.exists()
         os.remove(disk / "filler")
         try:
             raise RuntimeError("fits")
         except RuntimeError as exc:
-            worker._record_error(exc, error_file)
+            rank_error.record(exc, error_file)
         assert "RuntimeError: fits" in error_file.read_text()
 
 
 def test_a_rank_s_failure_report_masks_the_recipe_s_secrets(tmp_path, monkeypatch, capsys):
-    """Guards worker._fail: an exception whose message holds a secret of the recipe (a token in a
-    tracking URI, say) reaches neither the error file the launcher reports from nor the console."""
+    """Guards error_file.report_and_exit: an exception whose message holds a secret of the recipe (a
+    token in a tracking URI, say) reaches neither the error file the launcher reports from nor the console."""
     from trainkit.recipe import secrets
-    from trainkit.runtime import worker
+    from trainkit.runtime import error_file as rank_error
 
     token = "hunter2-secret-token-value"
     error_file = tmp_path / "error.json"
@@ -137,7 +137,7 @@ def test_a_rank_s_failure_report_masks_the_recipe_s_secrets(tmp_path, monkeypatc
         raise ConnectionError(f"cannot reach https://user:{token}@mlflow.example/api")
     except ConnectionError as exc:
         try:
-            worker._fail(exc, lambda text: secrets.redact_text(text, [token]))
+            rank_error.report_and_exit(exc, lambda text: secrets.redact_text(text, [token]))
         except SystemExit as stop:
             assert stop.code == 1
     recorded = error_file.read_text()

@@ -18,7 +18,7 @@ Run directory (stable per recipe name, so `resume: auto` finds the previous laun
 World size 1 runs the same worker code in this process (no torchrun, no restarts).
 
 Workers never outlive this process: it exports TRAINKIT_LAUNCHER_PID and each worker asks the
-kernel for SIGKILL when its parent dies (see `trainkit.runtime.worker._die_with_launcher`).
+kernel for SIGKILL when its parent dies (see `trainkit.runtime.parent_watch.die_with_launcher`).
 """
 
 from __future__ import annotations

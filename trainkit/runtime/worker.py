@@ -13,14 +13,11 @@ This module is the composition root of one rank: it builds every collaborator an
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import random
 import signal
 import sys
 import time
-import traceback
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
@@ -31,24 +28,24 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import registry
 from ..monitors.base import build_monitors, context
-from ..monitors.bottleneck import describe_env, diagnose
-from ..recipe import drift, resolve
-from ..recipe.launch_plan import FATAL_FILE
+from ..recipe import resolve
 from ..recipe.schema import Recipe
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
+from . import accepted_changes, error_file, fatal
 from .checkpoint import Checkpointer, DiskFullError, decide_resume, saved_recipe
-from .checkpoint_layout import disk_full_message, disk_too_full, failed_save
-from .data import build_datasets, die_with_parent, make_loader
+from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
 from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
+from .parent_watch import die_with_launcher
 from .performance import prepare_model, set_backend_flags
 from .precision import Precision
 from .progress import Progress
+from .reports import write_reports, write_summary
 from .timing import Clock, CommTimer, ForwardMarks
 
 
@@ -83,84 +80,6 @@ def _test_hooks(model: torch.nn.Module, rank: int) -> list:
     if not name:
         return []
     return list(importlib.import_module(name).install(model=model, rank=rank))
-
-
-FATAL = FATAL_FILE
-
-
-def record_fatal(run_dir: Path, exc: Exception) -> None:
-    try:  # small; on a full disk it may not fit either, and then the restart redoes the failure
-        (run_dir / FATAL).write_text(json.dumps({"error": type(exc).__name__, "message": str(exc)}) + "\n")
-    except OSError:
-        pass
-
-
-def raise_if_fatal(run_dir: Path, ckpt_dir: Path) -> None:
-    """Before a restart redoes any work: did the last attempt fail in a way a restart repeats? The
-    marker says so when it could be written; on a disk too full even for it, the save it abandoned
-    (`.tmp-step-...`) and the free space say so."""
-    path = run_dir / FATAL
-    if path.is_file():
-        fatal = json.loads(path.read_text())
-        raise NonRetryableError(f"not restarting: {fatal['message']}")
-    abandoned = failed_save(ckpt_dir)
-    if abandoned is not None and disk_too_full(ckpt_dir):
-        raise NonRetryableError(f"not restarting: {disk_full_message(ckpt_dir, abandoned)}")
-
-
-class NonRetryableError(RuntimeError):
-    """The previous attempt of this launch failed in a way a restart repeats (see FATAL)."""
-
-
-def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
-    """reports/breakdown.json (the evidence), reports/bottleneck.md and reports/verdict.json (what
-    tracking turns into run tags); returns the console lines. Shutdown time (last step to now) is
-    recorded here, the last thing a run does before it exits."""
-    reports = run_dir / "reports"
-    reports.mkdir(exist_ok=True)
-    wall = summary.pop("wall_times", None)
-    now = time.time()
-    if wall is not None:
-        wall.shutdown_s = now - (wall.loop_end or now)
-        wall = wall.as_dict(now)
-        summary["wall_times"] = wall
-    gpu_file = reports / "gpu.json"  # the gpu monitor's utilisation over the run
-    gpu = json.loads(gpu_file.read_text()) if gpu_file.is_file() else None
-    evidence = {"name": recipe.name, "per_rank": summary.pop("per_rank_times"),
-                "steps": summary["steps"], "world_size": summary["world_size"],
-                "global_batch": summary.get("global_batch"),
-                "env": describe_env(summary.pop("device", "cpu"), dist.get_backend() if dist.is_initialized() else None),
-                "wall": wall, "gpu": gpu}
-    (reports / "breakdown.json").write_text(json.dumps(evidence, indent=2) + "\n")
-    diagnosis = diagnose(evidence["per_rank"], recipe, env=evidence["env"], wall=wall, gpu=gpu,
-                         global_batch=evidence["global_batch"])
-    sections = summary.pop("report_sections", [])
-    (reports / "bottleneck.md").write_text(diagnosis.markdown(recipe.name) + "".join("\n" + s for s in sections))
-    (reports / "verdict.json").write_text(json.dumps(diagnosis.summary(), indent=2) + "\n")
-    summary["bottleneck"] = diagnosis.kind
-    return diagnosis.console()
-
-
-def apply_accepted_changes(saved: Optional[dict], now: dict, recipe: Recipe, optimizer, scheduler, step: int):
-    """The launcher let a changed optimizer/scheduler/max_steps through (`--accept-changes`): make it
-    real. The checkpoint's optimizer and scheduler state carry the old hyperparameters and would win;
-    set the new ones on every param group and rebuild the schedule at the resumed step."""
-    if saved is None or not any(c.key.startswith(("optimizer.", "scheduler.")) or c.key == "trainer.max_steps"
-                                for c in drift.changes(saved, now)):
-        return scheduler
-    defaults = build_optimizer(recipe.optimizer, [torch.nn.Parameter(torch.zeros(1))]).defaults
-    for group in optimizer.param_groups:
-        group.update({k: v for k, v in defaults.items() if k in group})
-        group["initial_lr"] = defaults["lr"]
-    fresh = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": a replay, on purpose
-        for _ in range(step):
-            fresh.step()
-    if dist.get_rank() == 0:
-        print(f"trainkit: accepted recipe changes take effect at step {step}: lr {optimizer.param_groups[0]['lr']:.6g}",
-              flush=True)
-    return fresh
 
 
 def _process_start() -> float:
@@ -212,14 +131,15 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
-        raise_if_fatal(run_dir, ckpt_dir)  # a restart would only redo a failure that restarting cannot fix
+        fatal.raise_if_restart_would_repeat(run_dir, ckpt_dir)  # restarting cannot fix it
     source = decide_resume(strategy, recipe.trainer.resume, ckpt_dir, restart)
     state = TrainState()
     if source is not None:
         state = restore_trainer_state(checkpointer.load(source, model, optimizer), scheduler, precision)
         if rank == 0:
             print(f"trainkit: resumed from {source} (step {state.step}, epoch {state.epoch})", flush=True)
-        scheduler = apply_accepted_changes(saved_recipe(source), recipe_data, recipe, optimizer, scheduler, state.step)
+        scheduler = accepted_changes.apply_to_optimizer(saved_recipe(source), recipe_data, recipe, optimizer,
+                                                        scheduler, state.step)
     progress, sinks = None, []
     if rank == 0:
         progress = Progress(recipe.trainer.max_steps, state.step, global_batch(recipe, dp_size), enabled=True)
@@ -237,7 +157,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     try:
         summary = loop.run()
     except (NonFiniteError, DiskFullError) as exc:
-        record_fatal(run_dir, exc)
+        fatal.record(run_dir, exc)
         monitors.call("on_exception", exc)
         raise
     except BaseException as exc:
@@ -267,98 +187,9 @@ def _close_sinks(sinks: list, failing: bool) -> None:
                 raise
 
 
-def report(run_dir: Path, summary: dict) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if summary.get("replicas_identical") is False:
-        print("trainkit: warning: model replicas differ across ranks at the end of training", file=sys.stderr)
-    loss = summary["final_loss"]
-    acc = summary["eval"].get("eval_accuracy")
-    print(f"trainkit: done: {summary['steps']} steps, final loss "
-          f"{'n/a' if loss is None else f'{loss:.4f}'}"
-          + (f", eval accuracy {acc:.3f}" if acc is not None else "")
-          + f", {summary['samples_per_s']:.1f} samples/s"
-          + (f", {summary['skipped_images']} unreadable images skipped" if summary["skipped_images"] else "")
-          + f"\ntrainkit: checkpoint: {summary['checkpoint']}\ntrainkit: summary: {run_dir / 'summary.json'}",
-          flush=True)
-
-
-def _fail(exc: Exception, redact=str) -> None:
-    """Record the exception in torchelastic's error file (what the launcher's report reads), then
-    exit 1. Local rank 0 shares the user's console: one line there instead of a traceback. `redact`
-    masks the recipe's secrets: a message that held one is recorded as a RuntimeError with it masked.
-    On a full disk (the error file and the console log live in the run dir) each of these may fail:
-    then the rank still exits 1, and the launcher reports from what is left (`failures.disk_full_note`)."""
-    masked = redact(f"{type(exc).__name__}: {exc}")
-    if masked != f"{type(exc).__name__}: {exc}":
-        exc = RuntimeError(masked)
-
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        _record_error(exc, Path(error_file), redact)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and error_file:
-        rank = os.environ.get("RANK", "0")
-        try:
-            print(f"trainkit: rank {rank} failed: {type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr, flush=True)
-        except OSError:
-            pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(1)
-    if not error_file:
-        raise exc
-    try:  # the other ranks' logs keep the traceback
-        traceback.print_exception(exc, file=sys.stderr)
-        sys.stderr.flush()
-    except OSError:
-        pass
-    sys.exit(1)
-
-
-def _record_error(exc: Exception, error_file: Path, redact=str) -> None:
-    """torchelastic's error file, whole or not at all: a half-written one (ENOSPC) makes the agent
-    itself crash on reading it (JSONDecodeError), losing every rank's report. torch writes the
-    traceback of the exception being handled (`traceback.format_exc()`), which still holds the
-    original message: every string in the file goes through `redact` before it stays."""
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-    try:
-        get_error_handler().record_exception(exc)
-        data = json.loads(error_file.read_text())
-        masked = _map_strings(data, redact)
-        if masked != data:
-            error_file.write_text(json.dumps(masked))
-    except (OSError, ValueError):
-        error_file.unlink(missing_ok=True)
-
-
-def _map_strings(value, fn):
-    if isinstance(value, str):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_strings(v, fn) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map_strings(v, fn) for v in value]
-    return value
-
-
-def _die_with_launcher() -> None:
-    """A worker never outlives `trainkit run` (TRAINKIT_LAUNCHER_PID), even one SIGKILLed.
-
-    torchrun's agent runs inside the launcher; its SubprocessHandler Popens each worker (in a new
-    session: a signal to the launcher's process group misses them) from the thread that runs
-    `agent.run()` — `_invoke_run` -> `_initialize_workers`/`_restart_workers` -> `_start_workers` ->
-    `start_processes` -> `SubprocessContext._start`, all synchronous on the launcher's main thread.
-    PR_SET_PDEATHSIG fires when the *forking thread* exits, and the main thread exits only with the
-    process, so the signal means exactly "the launcher died"."""
-    launcher = os.environ.get("TRAINKIT_LAUNCHER_PID")
-    if launcher and int(launcher) != os.getpid():  # world size 1 runs main() inside the launcher itself
-        die_with_parent(int(launcher))
-
-
 @record
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    _die_with_launcher()
+    die_with_launcher()
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: python -m trainkit.runtime.worker RUN_DIR", file=sys.stderr)
@@ -381,11 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary["host_allocator"] = applied_malloc
         if dist.get_rank() == 0:
             console = write_reports(run_dir, recipe, summary)
-            report(run_dir, summary)
+            write_summary(run_dir, summary)
             print(console, flush=True)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
     except Exception as exc:
-        _fail(exc, resolved.redact_text)
+        error_file.report_and_exit(exc, resolved.redact_text)
     except StopRequested as stop:
         print(f"trainkit: rank {dist.get_rank()} stopping on {stop}", file=sys.stderr, flush=True)
         if argv is None:

@@ -1,0 +1,64 @@
+"""What rank 0 leaves behind when training ends: summary.json, the bottleneck reports, and the
+console lines that point to them.
+
+Its own module because it is the one runtime piece that reads the monitors' analysis (it sits with
+the worker in layer 5, README "Layout"): the worker builds and trains, this writes the result.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..monitors.bottleneck import describe_env, diagnose
+from ..recipe.schema import Recipe
+from ..run_dir import BOTTLENECK, BREAKDOWN, GPU, REPORTS, VERDICT, read_json, summary_path, write_json
+
+
+def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
+    """reports/breakdown.json (the evidence), reports/bottleneck.md and reports/verdict.json (what
+    tracking turns into run tags); returns the console lines. Shutdown time (last step to now) is
+    recorded here, the last thing a run does before it exits."""
+    reports = run_dir / REPORTS
+    reports.mkdir(exist_ok=True)
+    wall = summary.pop("wall_times", None)
+    now = time.time()
+    if wall is not None:
+        wall.shutdown_s = now - (wall.loop_end or now)
+        wall = wall.as_dict(now)
+        summary["wall_times"] = wall
+    gpu_file = reports / GPU  # the gpu monitor's utilisation over the run
+    gpu = read_json(gpu_file) if gpu_file.is_file() else None
+    evidence = {"name": recipe.name, "per_rank": summary.pop("per_rank_times"),
+                "steps": summary["steps"], "world_size": summary["world_size"],
+                "global_batch": summary.get("global_batch"),
+                "env": describe_env(summary.pop("device", "cpu"), dist.get_backend() if dist.is_initialized() else None),
+                "wall": wall, "gpu": gpu}
+    write_json(reports / BREAKDOWN, evidence)
+    diagnosis = diagnose(evidence["per_rank"], recipe, env=evidence["env"], wall=wall, gpu=gpu,
+                         global_batch=evidence["global_batch"])
+    sections = summary.pop("report_sections", [])
+    (reports / BOTTLENECK).write_text(diagnosis.markdown(recipe.name) + "".join("\n" + s for s in sections))
+    write_json(reports / VERDICT, diagnosis.summary())
+    summary["bottleneck"] = diagnosis.kind
+    return diagnosis.console()
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """summary.json (written last: the launcher reads it as "training completed"), then the
+    `trainkit: done: ...` lines."""
+    write_json(summary_path(run_dir), summary)
+    if summary.get("replicas_identical") is False:
+        print("trainkit: warning: model replicas differ across ranks at the end of training", file=sys.stderr)
+    loss = summary["final_loss"]
+    acc = summary["eval"].get("eval_accuracy")
+    print(f"trainkit: done: {summary['steps']} steps, final loss "
+          f"{'n/a' if loss is None else f'{loss:.4f}'}"
+          + (f", eval accuracy {acc:.3f}" if acc is not None else "")
+          + f", {summary['samples_per_s']:.1f} samples/s"
+          + (f", {summary['skipped_images']} unreadable images skipped" if summary["skipped_images"] else "")
+          + f"\ntrainkit: checkpoint: {summary['checkpoint']}\ntrainkit: summary: {summary_path(run_dir)}",
+          flush=True)
