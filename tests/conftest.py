@@ -26,12 +26,12 @@ def corpus(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def one_rank(tmp_path_factory, corpus) -> list[float]:
-    from lm_runs import STEPS, lm_recipe
-    from run_helpers import losses
+    from lm_runs import STEPS, tiny_lm
+    from run_helpers import losses, write_recipe
     from strategy_runs import run
 
     tmp = tmp_path_factory.mktemp("one")
-    path = lm_recipe(tmp, "one", corpus, data={"batch_size": 8}, launch={"nproc_per_node": 1})
+    path = write_recipe(tmp, "one", tiny_lm(corpus), data={"batch_size": 8}, launch={"nproc_per_node": 1})
     out = losses(run(tmp, path))
     assert len(out) == STEPS and out[-1] < out[0]
     return out

@@ -1,5 +1,13 @@
-"""Test-only fault injection for `trainkit run` workers, activated by TRAINKIT_TEST_HOOKS=fault_injection
-(tests/run_helpers.py sets it, with this folder on PYTHONPATH). Never part of a real run.
+"""Test-only fault injection for `trainkit run` workers. Never part of a real run: trainkit itself
+knows nothing of it.
+
+A test asks for faults by passing TRAINKIT_FAULT_* variables to `run_helpers.trainkit`; `env` then
+puts tests/fault_hooks/ (and tests/) on the run's PYTHONPATH. Its `sitecustomize.py`, which Python
+runs at start-up in every process of the run, calls `attach_on_import`: once `trainkit.runtime.loop`
+is imported, every `Loop` installs the faults below on its model when it starts running, and appends
+their per-step callbacks to its documented `step_hooks` (called after each optimizer step, after that
+step's logging and checkpoint). Every variable starts with TRAINKIT_FAULT_ (`owns`), so one test's
+faults never leak into another's run.
 
 - TRAINKIT_FAULT_INJECT="rank=1,step=7": that rank `os._exit(1)`s right after that optimizer step,
   on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so tests can check that torchrun
@@ -16,7 +24,7 @@
   dtype of its output, its parameters' device and its offload policy, as lines of
   DIR/fsdp-rank<R>.jsonl.
 - TRAINKIT_FAULT_PROBE_PERF=DIR: the performance options in effect, per optimizer step, as lines of
-  DIR/perf-rank<R>.jsonl: forwards per module of the classes in TRAINKIT_PROBE_BLOCKS (counted on
+  DIR/perf-rank<R>.jsonl: forwards per module of the classes in TRAINKIT_FAULT_PROBE_BLOCKS (counted on
   entry, so recomputations in backward count too), BatchNorm / SyncBatchNorm layers, memory format of
   the 4-D parameters and of the first 4-D module input, and torch._dynamo's compile counters.
 - TRAINKIT_FAULT_COLLECTIVE_LATENCY="ms=0.5": every DDP gradient all-reduce call pays a fixed delay
@@ -34,11 +42,68 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
 import queue
 import sys
 import threading
 import time
+from pathlib import Path
+
+PREFIX = "TRAINKIT_FAULT_"
+TESTS = Path(__file__).resolve().parent
+HOOKS = TESTS / "fault_hooks"  # holds the sitecustomize.py that calls attach_on_import
+LOOP_MODULE = "trainkit.runtime.loop"
+
+
+def owns(key: str) -> bool:
+    """Whether an environment variable belongs to the fault injection (a test sets it for one run)."""
+    return key.startswith(PREFIX)
+
+
+def env(environ: dict) -> dict:
+    """`environ` for a `trainkit` subprocess: with the hooks on PYTHONPATH if it asks for any fault."""
+    if not any(owns(key) for key in environ):
+        return environ
+    paths = (str(HOOKS), str(TESTS), environ.get("PYTHONPATH", ""))
+    return {**environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def attach(loop_cls) -> None:
+    """Make every `loop_cls` (trainkit's Loop) install the faults on its model as it starts running."""
+    run = loop_cls.run
+
+    def run_with_faults(self):
+        self.step_hooks = [*self.step_hooks, *install(model=self.model, rank=self.strategy.rank)]
+        return run(self)
+
+    loop_cls.run = run_with_faults
+
+
+class _AttachAfterImport(importlib.abc.MetaPathFinder):
+    """Finds trainkit.runtime.loop like the rest of sys.meta_path would, and calls `attach` on its
+    Loop right after the module runs: start-up imports nothing (no torch) in processes that never
+    train (the launcher's helpers, compile workers)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != LOOP_MODULE:
+            return None
+        sys.meta_path.remove(self)  # once; and so that find_spec below asks the other finders
+        spec = importlib.util.find_spec(fullname)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_attach(module):
+            exec_module(module)
+            attach(module.Loop)
+
+        spec.loader.exec_module = exec_and_attach
+        return spec
+
+
+def attach_on_import() -> None:
+    """Called by tests/fault_hooks/sitecustomize.py at the start of every process of a faulty run."""
+    sys.meta_path.insert(0, _AttachAfterImport())
 
 
 def _fields(spec: str) -> dict:
@@ -275,7 +340,7 @@ def install_perf_probe(*, model, rank: int) -> list:
 
     import torch
 
-    classes = set(filter(None, os.environ.get("TRAINKIT_PROBE_BLOCKS", "").split(",")))
+    classes = set(filter(None, os.environ.get("TRAINKIT_FAULT_PROBE_BLOCKS", "").split(",")))
     blocks = {name: m for name, m in model.named_modules() if type(m).__name__ in classes}
     forwards = {name: 0 for name in blocks}
     seen: dict = {}

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 STEPS = 8
 VOCAB = 320  # >= the tokenizer's 256 bytes + merges + end-of-text
 # `init: seeded` everywhere, as in strategy_runs: FSDP and ZeRO-3 resolve `auto` to seeded, so the
@@ -37,21 +35,15 @@ def make_corpus(folder: Path, *, documents: int = 400, world: int = 2, batch: in
     return {"files": [str(train)], "eval_files": [str(held_out)], "tokenizer": str(tok)}
 
 
-def lm_recipe(tmp: Path, name: str, corpus: dict, **sections) -> Path:
-    """A causal_lm recipe for the tiny transformer; `sections` update it (dicts are merged, except strategy)."""
-    recipe = {
-        "name": name, "seed": 3, "task": {"name": "causal_lm"}, "model": TINY,
+def tiny_lm(corpus: dict) -> dict:
+    """The preset of the language-model tests, on `corpus` (make_corpus's data paths):
+    write_recipe(tmp, name, tiny_lm(corpus), strategy=...)."""
+    return {
+        "name": "tiny-lm", "seed": 3, "task": {"name": "causal_lm"}, "model": TINY,
         "data": {"name": "text", **corpus, "seq_len": 32, "batch_size": 4, "shuffle": True},
         "strategy": {"name": "ddp"},
         "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9},
         "trainer": {"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
-        "launch": {"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120},
+        "launch": {"nproc_per_node": 2, "timeout_s": 120},
         "tracking": {"enabled": False},
     }
-    for key, value in sections.items():
-        base = recipe.get(key)
-        recipe[key] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) and key != "strategy" \
-            else value
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path

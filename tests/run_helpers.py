@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 
+import fault_injection
+
 LAUNCH_TIMEOUT_S = 240
-TESTS = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -29,24 +30,15 @@ class Result:
 
 
 def env_for(tmp: Path, **extra: str) -> dict:
-    env = dict(os.environ)
+    """The environment of a `trainkit` subprocess: caches and temp files in `tmp`, one thread per
+    process, and no fault injection unless `extra` asks for it (see fault_injection.env)."""
+    env = {key: value for key, value in os.environ.items() if not fault_injection.owns(key)}
     for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
         (tmp / key.lower()).mkdir(parents=True, exist_ok=True)
         env[key] = str(tmp / key.lower())
     env["OMP_NUM_THREADS"] = "1"
-    env.pop("TRAINKIT_FAULT_INJECT", None)
-    env.pop("TRAINKIT_FAULT_DELAY", None)
-    env.pop("TRAINKIT_FAULT_NAN", None)
-    env.pop("TRAINKIT_FAULT_COUNT_COLLECTIVES", None)
-    env.pop("TRAINKIT_FAULT_DIVERGE", None)
-    env.pop("TRAINKIT_FAULT_PROBE_FSDP", None)
-    env.pop("TRAINKIT_FAULT_PROBE_PERF", None)
-    env.pop("TRAINKIT_TEST_HOOKS", None)
-    if any(key.startswith("TRAINKIT_FAULT_") for key in extra):  # only then: the workers' fault injection
-        env["TRAINKIT_TEST_HOOKS"] = "fault_injection"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
-    return env
+    return fault_injection.env(env)
 
 
 def trainkit(tmp: Path, *args: str, timeout: float = LAUNCH_TIMEOUT_S, **env: str) -> Result:
@@ -62,28 +54,58 @@ def trainkit(tmp: Path, *args: str, timeout: float = LAUNCH_TIMEOUT_S, **env: st
     return Result(proc.returncode, out, err)
 
 
-def mlp_recipe(tmp: Path, name: str, **sections) -> Path:
-    """A small synthetic-data MLP recipe (fast on 2 CPU cores); `sections` deep-update it."""
-    recipe = {
-        "name": name,
-        "seed": 7,
-        "model": {"name": "mlp", "args": {"in_features": 48, "hidden": 64, "num_classes": 4}},
-        "data": {"name": "synthetic", "batch_size": 8, "num_samples": 256, "shape": [3, 4, 4], "num_classes": 4},
-        "strategy": {"name": "ddp"},
-        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
-        "trainer": {"max_steps": 12, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
-        "launch": {"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 60},
-        "tracking": {"enabled": False},
-    }
+# --------------------------------------------------------------------------- recipes
+# A test recipe is a preset (a whole recipe, as data: MLP, RESNET, strategy_runs.SEEDED_MLP,
+# lm_runs.tiny_lm) updated by the test's own sections, and written by `write_recipe`. One merge rule
+# (`merged`): a section given as a dict updates the preset's section key by key, unless it names
+# another plugin, then it replaces it; any other value replaces. So strategy={"bucket_cap_mb": 1}
+# keeps DDP and its keys, strategy={"name": "fsdp"} starts from FSDP's defaults, and
+# trainer={"checkpoint": {"every": 2}} replaces the whole checkpoint block.
+
+
+def merged(preset: dict, sections: dict) -> dict:
+    """`preset` updated by `sections` under the one merge rule above; neither is modified."""
+    out = dict(preset)
     for key, value in sections.items():
-        base = recipe.get(key)
-        if isinstance(value, dict) and isinstance(base, dict) and value.get("name", base.get("name")) == base.get("name"):
-            recipe[key] = {**base, **value}
-        else:
-            recipe[key] = value
+        base = out.get(key)
+        same_plugin = isinstance(base, dict) and isinstance(value, dict) and value.get("name", base.get("name")) == \
+            base.get("name")
+        out[key] = {**base, **value} if same_plugin else value
+    return out
+
+
+def write_recipe(tmp: Path, name: str, preset: dict, **sections) -> Path:
+    """tmp/NAME.yaml: `preset` named NAME with its runs in tmp/runs, updated by `sections`."""
+    recipe = merged(merged(preset, {"name": name, "launch": {"run_dir": str(tmp / "runs")}}), sections)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
+
+
+MLP = {  # a small synthetic-data MLP (fast on 2 CPU cores)
+    "name": "mlp",
+    "seed": 7,
+    "model": {"name": "mlp", "args": {"in_features": 48, "hidden": 64, "num_classes": 4}},
+    "data": {"name": "synthetic", "batch_size": 8, "num_samples": 256, "shape": [3, 4, 4], "num_classes": 4},
+    "strategy": {"name": "ddp"},
+    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    "trainer": {"max_steps": 12, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
+    "launch": {"nproc_per_node": 2, "timeout_s": 60},
+    "tracking": {"enabled": False},
+}
+
+RESNET = merged(MLP, {  # torchvision's ResNet-18 on 32x32 synthetic images, 4 steps, no checkpoint before the last
+    "model": {"name": "torchvision.resnet18", "args": {"num_classes": 4}},
+    "data": {"shape": [3, 32, 32]},
+    "optimizer": {"lr": 0.005},
+    "trainer": {"max_steps": 4, "checkpoint": {"every": 100}},
+    "launch": {"timeout_s": 120},
+})
+
+
+def mlp_recipe(tmp: Path, name: str, **sections) -> Path:
+    """The MLP preset updated by `sections` (most run tests start from it)."""
+    return write_recipe(tmp, name, MLP, **sections)
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -18,22 +18,18 @@ import json
 import shutil
 from pathlib import Path
 
-from run_helpers import losses, mlp_recipe, trainkit
+from run_helpers import MLP, losses, merged, trainkit, write_recipe
 
 RTOL = 1e-5
 STEPS = 20
 # `init: seeded` everywhere: each parameter from (seed, its module's name), so a sharded strategy that
 # fills only its shards (FSDP, ZeRO-3) starts from exactly the one-process weights (runtime/materialize.py)
-MODEL = {"name": "mlp", "args": {"in_features": 48, "hidden": 64, "num_classes": 4, "depth": 3}, "init": "seeded"}
-
-
-def recipe(tmp: Path, name: str, strategy: dict, **sections) -> Path:
-    base = dict(model=MODEL, strategy=strategy, optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-                trainer={"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": 10, "keep": 3}},
-                launch={"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120})
-    for key, value in sections.items():
-        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and key != "strategy" else value
-    return mlp_recipe(tmp, name, **base)
+SEEDED_MLP = merged(MLP, {  # the preset of these tests: write_recipe(tmp, name, SEEDED_MLP, strategy=...)
+    "model": {"args": {"in_features": 48, "hidden": 64, "num_classes": 4, "depth": 3}, "init": "seeded"},
+    "optimizer": {"lr": 0.05},
+    "trainer": {"max_steps": STEPS, "checkpoint": {"every": 10, "keep": 3}},
+    "launch": {"timeout_s": 120},
+})
 
 
 def run(tmp: Path, path: Path, *overrides: str, **env: str) -> Path:
@@ -44,7 +40,7 @@ def run(tmp: Path, path: Path, *overrides: str, **env: str) -> Path:
 
 def single_process_losses(tmp: Path) -> list[float]:
     """One process, batch 16 (the global batch of 2 ranks x 8, or of a 1-data-parallel pipeline)."""
-    path = recipe(tmp, "single", {"name": "ddp"}, data={"batch_size": 16}, launch={"nproc_per_node": 1})
+    path = write_recipe(tmp, "single", SEEDED_MLP, data={"batch_size": 16}, launch={"nproc_per_node": 1})
     out = losses(run(tmp, path))
     assert len(out) == STEPS and out[-1] < out[0]
     return out

@@ -12,15 +12,16 @@ import json
 
 import pytest
 
-from strategy_runs import recipe, run
+from run_helpers import write_recipe
+from strategy_runs import SEEDED_MLP, run
 
 pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
 def counts(tmp_path, strategy: dict) -> dict[int, list[dict]]:
-    path = recipe(tmp_path, "accum", strategy, data={"batch_size": 2},
-                  trainer={"max_steps": STEPS, "grad_accum_steps": 4, "checkpoint": {"every": 100}})
+    path = write_recipe(tmp_path, "accum", SEEDED_MLP, strategy=strategy, data={"batch_size": 2},
+                        trainer={"max_steps": STEPS, "grad_accum_steps": 4, "checkpoint": {"every": 100}})
     out = tmp_path / "counts"
     out.mkdir()
     run(tmp_path, path, TRAINKIT_FAULT_COUNT_COLLECTIVES=str(out))

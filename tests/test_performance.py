@@ -13,21 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from run_helpers import losses, mlp_recipe, trainkit
-
-RESNET = {"name": "torchvision.resnet18", "args": {"num_classes": 4}}
-IMAGES = {"name": "synthetic", "batch_size": 8, "num_samples": 256, "shape": [3, 32, 32], "num_classes": 4}
-
-
-def resnet_recipe(tmp: Path, name: str, **sections) -> Path:
-    base = dict(model=RESNET, data=IMAGES, optimizer={"name": "sgd", "lr": 0.005, "momentum": 0.9},
-                trainer={"max_steps": 4, "log_every": 1, "checkpoint": {"every": 100}},
-                launch={"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120})
-    for key, value in sections.items():
-        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and key not in ("strategy",
-                                                                                            "performance") else value
-    return mlp_recipe(tmp, name, **base)
-
+from run_helpers import RESNET, losses, mlp_recipe, trainkit, write_recipe
 
 def run(tmp: Path, path: Path, **env: str) -> Path:
     result = trainkit(tmp, "run", str(path), **env)
@@ -43,7 +29,7 @@ def probe_rows(folder: Path, ranks: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def plain_ddp(tmp_path_factory) -> list[float]:
     tmp = tmp_path_factory.mktemp("plain")
-    return losses(run(tmp, resnet_recipe(tmp, "plain")))
+    return losses(run(tmp, write_recipe(tmp, "plain", RESNET)))
 
 
 @pytest.mark.distributed
@@ -63,10 +49,10 @@ def test_ddp_channels_last_and_selective_checkpointing_are_in_effect(tmp_path, p
     """
     perf = {"channels_last": True,
             "activation_checkpointing": {"mode": "selective", "blocks": ["BasicBlock"], "every_n_blocks": 2}}
-    path = resnet_recipe(tmp_path, "opts", performance=perf)
+    path = write_recipe(tmp_path, "opts", RESNET, performance=perf)
     probe = tmp_path / "probe"
     probe.mkdir()
-    ours = losses(run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe), TRAINKIT_PROBE_BLOCKS="BasicBlock"))
+    ours = losses(run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe), TRAINKIT_FAULT_PROBE_BLOCKS="BasicBlock"))
     for row in probe_rows(probe, 2):
         assert row["weights_channels_last"] and all(row["weights_channels_last"])
         assert row["input_channels_last"] is True

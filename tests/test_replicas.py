@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from run_helpers import summary
-from strategy_runs import recipe, run
+from run_helpers import summary, write_recipe
+from strategy_runs import SEEDED_MLP
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
 
 
 def finish(tmp_path, strategy: dict, **env: str) -> tuple[dict, str]:
-    path = recipe(tmp_path, "replicas", strategy, trainer={"max_steps": STEPS, "checkpoint": {"every": 100}})
+    path = write_recipe(tmp_path, "replicas", SEEDED_MLP, strategy=strategy,
+                        trainer={"max_steps": STEPS, "checkpoint": {"every": 100}})
     from run_helpers import trainkit
 
     result = trainkit(tmp_path, "run", str(path), **env)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from run_helpers import losses, summary, trainkit
-from strategy_runs import RTOL, STEPS, deepspeed_env, recipe, resume_from_step_10, run, single_process_losses
+from run_helpers import losses, summary, trainkit, write_recipe
+from strategy_runs import RTOL, SEEDED_MLP, STEPS, deepspeed_env, resume_from_step_10, run, single_process_losses
 
 pytestmark = pytest.mark.distributed
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -37,7 +37,8 @@ def single(tmp_path_factory) -> list[float]:
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, ext):
     tmp = tmp_path_factory.mktemp("zero3")
-    path = recipe(tmp, "zero3", {"name": "deepspeed", "zero_stage": 3}, model={"init": "auto"})  # resolves to seeded
+    path = write_recipe(tmp, "zero3", SEEDED_MLP, strategy={"name": "deepspeed", "zero_stage": 3},
+                        model={"init": "auto"})  # resolves to seeded
     return tmp, path, run(tmp, path, **ext)
 
 
@@ -54,8 +55,9 @@ def test_zero3_follows_the_one_process_loss_trajectory(single, zero3_run):
 def test_zero2_with_optimizer_offload_and_accumulation_follows_the_one_process_trajectory(single, tmp_path, ext):
     """ZeRO-2, optimizer state offloaded to the CPU (the torch optimizer, no compiled CPU Adam),
     2 accumulation micro-steps of 4 per rank (DeepSpeed's gradient_accumulation_steps)."""
-    path = recipe(tmp_path, "zero2", {"name": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu"},
-                  data={"batch_size": 4}, trainer={"grad_accum_steps": 2})
+    path = write_recipe(tmp_path, "zero2", SEEDED_MLP,
+                        strategy={"name": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu"},
+                        data={"batch_size": 4}, trainer={"grad_accum_steps": 2})
     assert losses(run(tmp_path, path, **ext)) == pytest.approx(single, rel=RTOL)
 
 
@@ -78,13 +80,14 @@ def test_export_reassembles_fp32_weights_from_the_zero3_partitions(zero3_run, tm
 
 
 def test_plan_shows_the_ds_config_and_deepspeed_parses_it_before_launch(tmp_path, ext):
-    good = recipe(tmp_path, "good", {"name": "deepspeed", "zero_stage": 2}, trainer={"grad_accum_steps": 4})
+    good = write_recipe(tmp_path, "good", SEEDED_MLP, strategy={"name": "deepspeed", "zero_stage": 2},
+                        trainer={"grad_accum_steps": 4})
     result = trainkit(tmp_path, "plan", str(good), **ext)
     assert result.returncode == 0, result.output
     assert '"gradient_accumulation_steps": 4' in result.stdout and '"gradient_clipping": 0.0' in result.stdout
     assert '"train_micro_batch_size_per_gpu": 8' in result.stdout and '"stage": 2' in result.stdout
-    bad = recipe(tmp_path, "bad", {"name": "deepspeed", "zero_stage": 2,
-                                   "config": {"zero_optimization": {"overlap_comm": "sometimes"}}})
+    bad = write_recipe(tmp_path, "bad", SEEDED_MLP, strategy={
+        "name": "deepspeed", "zero_stage": 2, "config": {"zero_optimization": {"overlap_comm": "sometimes"}}})
     result = trainkit(tmp_path, "run", str(bad), **ext)
     assert result.returncode == 2, result.output
     assert "DeepSpeed rejects the config built from this recipe" in result.stderr

@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from run_helpers import losses, summary
-from strategy_runs import RTOL, deepspeed_env, recipe, run, single_process_losses
+from run_helpers import losses, summary, write_recipe
+from strategy_runs import RTOL, SEEDED_MLP, deepspeed_env, run, single_process_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -37,11 +37,11 @@ def test_zero3_with_activation_checkpointing_recomputes_every_block_and_keeps_th
     """Guards that DeepSpeed runs get checkpointing at all: every Linear block's forward runs twice per
     step (once more in backward, with ZeRO-3 gathering its partitioned weight again), and the losses
     equal the one-process run's (checkpointing is exact)."""
-    path = recipe(tmp_path, "zero3-ac", {"name": "deepspeed", "zero_stage": 3},
-                  performance={"activation_checkpointing": {"mode": "full", "blocks": ["Linear"]}})
+    path = write_recipe(tmp_path, "zero3-ac", SEEDED_MLP, strategy={"name": "deepspeed", "zero_stage": 3},
+                        performance={"activation_checkpointing": {"mode": "full", "blocks": ["Linear"]}})
     probe = tmp_path / "probe"
     probe.mkdir()
-    run_dir = run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe), TRAINKIT_PROBE_BLOCKS="Linear", **ext)
+    run_dir = run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe), TRAINKIT_FAULT_PROBE_BLOCKS="Linear", **ext)
     rows = _probe(probe)
     assert rows and all(list(r["forwards"].values()) == [2, 2, 2, 2] for r in rows), rows[0]["forwards"]
     assert losses(run_dir) == pytest.approx(single, rel=RTOL)
@@ -51,7 +51,8 @@ def test_zero3_with_activation_checkpointing_recomputes_every_block_and_keeps_th
 def test_zero2_with_compile_compiles_the_engine_module_and_keeps_the_trajectory(single, tmp_path, ext):
     """Guards `performance.compile` on DeepSpeed (the engine's own `compile`): dynamo captured a graph
     in every rank, and the losses follow the one-process run."""
-    path = recipe(tmp_path, "zero2-compile", {"name": "deepspeed", "zero_stage": 2}, performance={"compile": True})
+    path = write_recipe(tmp_path, "zero2-compile", SEEDED_MLP, strategy={"name": "deepspeed", "zero_stage": 2},
+                        performance={"compile": True})
     probe = tmp_path / "probe"
     probe.mkdir()
     run_dir = run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe), **ext)

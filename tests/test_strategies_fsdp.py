@@ -15,8 +15,8 @@ import torch
 
 from trainkit.runtime import host_allocator
 
-from run_helpers import losses, summary, trainkit
-from strategy_runs import RTOL, STEPS, recipe, resume_from_step_10, run, single_process_losses
+from run_helpers import losses, summary, trainkit, write_recipe
+from strategy_runs import RTOL, SEEDED_MLP, STEPS, resume_from_step_10, run, single_process_losses
 
 pytestmark = pytest.mark.distributed
 FSDP = {"name": "fsdp", "wrap": ["Linear"]}
@@ -30,7 +30,8 @@ def single(tmp_path_factory) -> list[float]:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     tmp = tmp_path_factory.mktemp("fsdp")
-    path = recipe(tmp, "fsdp", FSDP, model={"init": "auto"})  # the default: FSDP resolves it to seeded
+    path = write_recipe(tmp, "fsdp", SEEDED_MLP, strategy=FSDP,
+                        model={"init": "auto"})  # the default: FSDP resolves it to seeded
     return tmp, path, run(tmp, path)
 
 
@@ -61,9 +62,10 @@ def test_fsdp_resume_repeats_the_uninterrupted_run_exactly(fsdp_run):
 
 
 def options_run(tmp_path) -> tuple[list[float], list[dict]]:
-    path = recipe(tmp_path, "fsdp-opts", {"name": "fsdp", "wrap": [], "activation_checkpointing": True,
-                                          "cpu_offload": True, "reshard_after_forward": False},
-                  precision="bf16", trainer={"max_steps": 8, "checkpoint": {"every": 100}})
+    path = write_recipe(tmp_path, "fsdp-opts", SEEDED_MLP,
+                        strategy={"name": "fsdp", "wrap": [], "activation_checkpointing": True, "cpu_offload": True,
+                                  "reshard_after_forward": False},
+                        precision="bf16", trainer={"max_steps": 8, "checkpoint": {"every": 100}})
     probe = tmp_path / "probe"
     probe.mkdir()
     ours = losses(run(tmp_path, path, TRAINKIT_FAULT_PROBE_FSDP=str(probe)))
@@ -113,13 +115,13 @@ def test_activation_checkpointing_recomputes_each_unit_in_backward(options):
 def test_a_checkpoint_reshards_to_another_world_size(tmp_path, single, saved_with, loaded_with):
     """Train 10 steps on `saved_with` ranks, resume on `loaded_with` ranks (same global batch 16):
     DCP reshards, the data position carries over, and steps 11..20 follow the one-process run."""
-    first = recipe(tmp_path, "first", FSDP, data={"batch_size": 16 // saved_with},
-                   launch={"nproc_per_node": saved_with}, trainer={"max_steps": 10})
+    first = write_recipe(tmp_path, "first", SEEDED_MLP, strategy=FSDP, data={"batch_size": 16 // saved_with},
+                         launch={"nproc_per_node": saved_with}, trainer={"max_steps": 10})
     run(tmp_path, first)
     ckpt = tmp_path / "runs" / "first" / "checkpoints" / "step-00000010"
     assert len(list(ckpt.glob("*.distcp"))) == saved_with
-    second = recipe(tmp_path, "second", FSDP, data={"batch_size": 16 // loaded_with},
-                    launch={"nproc_per_node": loaded_with}, trainer={"resume": str(ckpt)})
+    second = write_recipe(tmp_path, "second", SEEDED_MLP, strategy=FSDP, data={"batch_size": 16 // loaded_with},
+                          launch={"nproc_per_node": loaded_with}, trainer={"resume": str(ckpt)})
     run_dir = run(tmp_path, second)
     assert losses(run_dir) == pytest.approx(single[10:], rel=RTOL)
 

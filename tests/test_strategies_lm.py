@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from lm_runs import lm_recipe
-from run_helpers import losses, summary
+from lm_runs import tiny_lm
+from run_helpers import losses, summary, write_recipe
 from strategy_runs import RTOL, run
 
 pytestmark = pytest.mark.distributed
@@ -26,22 +26,22 @@ def ext(request, tmp_path_factory) -> dict:
 
 
 def test_fsdp_sharding_each_block_with_activation_checkpointing_matches(tmp_path, corpus, one_rank):
-    path = lm_recipe(tmp_path, "fsdp", corpus, strategy={"name": "fsdp", "wrap": ["TransformerBlock"],
-                                                         "activation_checkpointing": True})
+    path = write_recipe(tmp_path, "fsdp", tiny_lm(corpus),
+                        strategy={"name": "fsdp", "wrap": ["TransformerBlock"], "activation_checkpointing": True})
     run_dir = run(tmp_path, path)
     assert losses(run_dir) == pytest.approx(one_rank, rel=RTOL)
     assert summary(run_dir)["replicas_identical"]
 
 
 def test_pipeline_split_at_a_layer_matches(tmp_path, corpus, one_rank):
-    path = lm_recipe(tmp_path, "pipe", corpus, data={"batch_size": 8},
-                     strategy={"name": "pipeline", "schedule": "1f1b", "microbatches": 2,
-                               "split_points": ["layers.1"]})
+    path = write_recipe(tmp_path, "pipe", tiny_lm(corpus), data={"batch_size": 8},
+                        strategy={"name": "pipeline", "schedule": "1f1b", "microbatches": 2,
+                                  "split_points": ["layers.1"]})
     assert losses(run(tmp_path, path)) == pytest.approx(one_rank, rel=RTOL)
 
 
 def test_zero3_matches(tmp_path, corpus, one_rank, ext):
-    path = lm_recipe(tmp_path, "zero3", corpus, strategy={"name": "deepspeed", "zero_stage": 3})
+    path = write_recipe(tmp_path, "zero3", tiny_lm(corpus), strategy={"name": "deepspeed", "zero_stage": 3})
     run_dir = run(tmp_path, path, **ext)
     assert losses(run_dir) == pytest.approx(one_rank, rel=RTOL)
     assert summary(run_dir)["replicas_identical"]

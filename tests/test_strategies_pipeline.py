@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from run_helpers import losses, summary, trainkit
-from strategy_runs import RTOL, STEPS, recipe, resume_from_step_10, run, single_process_losses
+from run_helpers import RESNET, losses, summary, trainkit, write_recipe
+from strategy_runs import RTOL, SEEDED_MLP, STEPS, resume_from_step_10, run, single_process_losses
 
 pytestmark = pytest.mark.distributed
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -29,8 +29,9 @@ def single(tmp_path_factory) -> list[float]:
 def gpipe_run(tmp_path_factory):
     """Split by name: stage 0 = blocks 0-3 (Flatten, Linear, ReLU, Linear), stage 1 = the rest."""
     tmp = tmp_path_factory.mktemp("gpipe")
-    path = recipe(tmp, "gpipe", {"name": "pipeline", "schedule": "gpipe", "microbatches": 4, "split_points": ["4"]},
-                  data={"batch_size": 16})
+    path = write_recipe(tmp, "gpipe", SEEDED_MLP,
+                        strategy={"name": "pipeline", "schedule": "gpipe", "microbatches": 4, "split_points": ["4"]},
+                        data={"batch_size": 16})
     return tmp, path, run(tmp, path)
 
 
@@ -45,8 +46,9 @@ def test_gpipe_with_named_split_follows_the_one_process_trajectory(single, gpipe
 def test_1f1b_and_interleaved_with_balanced_stages_follow_the_one_process_trajectory(single, tmp_path, schedule):
     """No split points: stages balanced by parameter count (2 stages, or 4 -- two per rank --
     for interleaved 1F1B); gradient accumulation of 2 micro-steps of 8 over 4 micro-batches each."""
-    path = recipe(tmp_path, schedule, {"name": "pipeline", "schedule": schedule, "microbatches": 4},
-                  data={"batch_size": 8}, trainer={"grad_accum_steps": 2})
+    path = write_recipe(tmp_path, schedule, SEEDED_MLP,
+                        strategy={"name": "pipeline", "schedule": schedule, "microbatches": 4},
+                        data={"batch_size": 8}, trainer={"grad_accum_steps": 2})
     assert losses(run(tmp_path, path)) == pytest.approx(single, rel=RTOL)
 
 
@@ -67,8 +69,9 @@ def test_export_merges_the_stages_into_the_plain_model(gpipe_run, tmp_path):
 
 
 def test_a_split_point_that_does_not_exist_is_rejected_before_launch(tmp_path):
-    path = recipe(tmp_path, "badsplit", {"name": "pipeline", "microbatches": 4, "split_points": ["layer9"]},
-                  data={"batch_size": 16})
+    path = write_recipe(tmp_path, "badsplit", SEEDED_MLP,
+                        strategy={"name": "pipeline", "microbatches": 4, "split_points": ["layer9"]},
+                        data={"batch_size": 16})
     result = trainkit(tmp_path, "run", str(path))
     assert result.returncode == 2, result.output
     assert "split point 'layer9' is not a module of mlp" in result.stderr
@@ -76,7 +79,8 @@ def test_a_split_point_that_does_not_exist_is_rejected_before_launch(tmp_path):
 
 
 def test_a_batch_not_divisible_by_microbatches_is_rejected_before_launch(tmp_path):
-    path = recipe(tmp_path, "badmb", {"name": "pipeline", "microbatches": 3}, data={"batch_size": 16})
+    path = write_recipe(tmp_path, "badmb", SEEDED_MLP, strategy={"name": "pipeline", "microbatches": 3},
+                        data={"batch_size": 16})
     result = trainkit(tmp_path, "run", str(path))
     assert result.returncode == 2, result.output
     assert "not divisible by strategy.microbatches 3" in result.output
@@ -92,21 +96,6 @@ def test_pipeline_recipe_runs_end_to_end(tmp_path):
 
 
 # --------------------------------------------------------------------------- any model: the tracer
-RESNET = {"name": "torchvision.resnet18", "args": {"num_classes": 4}}
-IMAGES = {"name": "synthetic", "batch_size": 8, "num_samples": 256, "shape": [3, 32, 32], "num_classes": 4}
-
-
-def resnet_recipe(tmp: Path, name: str, strategy: dict, **sections) -> Path:
-    from run_helpers import mlp_recipe
-
-    base = dict(model=RESNET, data=IMAGES, strategy=strategy, optimizer={"name": "sgd", "lr": 0.005},
-                trainer={"max_steps": 4, "log_every": 1, "checkpoint": {"every": 100}},
-                launch={"nproc_per_node": 2, "run_dir": str(tmp / "runs"), "timeout_s": 120})
-    for key, value in sections.items():
-        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and key != "strategy" else value
-    return mlp_recipe(tmp, name, **base)
-
-
 def test_resnet18_pipeline_split_at_layer3_matches_one_process_accumulating_the_micro_batches(tmp_path):
     """torchvision's ResNet-18 is not a Sequential (its forward flattens between avgpool and fc):
     the tracer cuts it before layer3. Reference: one process with batch 2 accumulating 4
@@ -115,10 +104,10 @@ def test_resnet18_pipeline_split_at_layer3_matches_one_process_accumulating_the_
     same micro-batches, summed in another order. The checkpoint keeps the plain model's parameter
     names."""
     split = {"name": "pipeline", "schedule": "gpipe", "microbatches": 4, "split_points": ["layer3"]}
-    path = resnet_recipe(tmp_path, "pipe", split)
+    path = write_recipe(tmp_path, "pipe", RESNET, strategy=split)
     pipe = run(tmp_path, path)
-    ref = resnet_recipe(tmp_path, "ref", {"name": "ddp"}, data={"batch_size": 2},
-                        trainer={"grad_accum_steps": 4}, launch={"nproc_per_node": 1})
+    ref = write_recipe(tmp_path, "ref", RESNET, strategy={"name": "ddp"}, data={"batch_size": 2},
+                       trainer={"grad_accum_steps": 4}, launch={"nproc_per_node": 1})
     ref_dir = run(tmp_path, ref)
     assert losses(pipe) == pytest.approx(losses(ref_dir), rel=RTOL)
     ckpt = pipe / "checkpoints" / "step-00000004"
@@ -148,16 +137,19 @@ def test_resnet18_pipeline_recipe_trains_end_to_end(tmp_path):
 
 
 def test_resnet18_pipeline_bad_split_points_are_refused_with_a_suggestion(tmp_path):
-    path = resnet_recipe(tmp_path, "bad", {"name": "pipeline", "microbatches": 4, "split_points": ["layer33"]})
+    path = write_recipe(tmp_path, "bad", RESNET,
+                        strategy={"name": "pipeline", "microbatches": 4, "split_points": ["layer33"]})
     result = trainkit(tmp_path, "validate", "--deep", str(path))
     assert result.returncode == 2 and "did you mean" in result.output.lower() and "layer3" in result.output, \
         result.output
-    path = resnet_recipe(tmp_path, "order", {"name": "pipeline", "microbatches": 4, "split_points": ["layer3", "layer1"]},
-                         launch={"nproc_per_node": 3})
+    path = write_recipe(tmp_path, "order", RESNET,
+                        strategy={"name": "pipeline", "microbatches": 4, "split_points": ["layer3", "layer1"]},
+                        launch={"nproc_per_node": 3})
     result = trainkit(tmp_path, "validate", "--deep", str(path))
     assert result.returncode == 2 and "forward order" in result.output, result.output
-    path = resnet_recipe(tmp_path, "evals", {"name": "pipeline", "microbatches": 4, "split_points": ["layer3"]},
-                         trainer={"eval_every": 2})
+    path = write_recipe(tmp_path, "evals", RESNET,
+                        strategy={"name": "pipeline", "microbatches": 4, "split_points": ["layer3"]},
+                        trainer={"eval_every": 2})
     result = trainkit(tmp_path, "validate", "--deep", str(path))
     assert result.returncode == 2 and "BatchNorm2d" in result.output, result.output
 
@@ -166,10 +158,11 @@ def test_pipeline_evaluation_matches_the_one_process_evaluation(tmp_path):
     """A Sequential MLP pipeline evaluates through the schedule's forward-only pass; its eval loss
     and accuracy equal one process's (the same held-out samples, RTOL: summation order only)."""
     evals = {"max_steps": 4, "eval_every": 2, "eval_steps": 2, "checkpoint": {"every": 100}}
-    pipe = run(tmp_path, recipe(tmp_path, "pipe-eval", {"name": "pipeline", "microbatches": 4, "split_points": ["4"]},
-                                data={"batch_size": 16}, trainer=evals))
-    one = run(tmp_path, recipe(tmp_path, "one-eval", {"name": "ddp"}, data={"batch_size": 16},
-                               launch={"nproc_per_node": 1}, trainer=evals))
+    pipe = run(tmp_path, write_recipe(tmp_path, "pipe-eval", SEEDED_MLP,
+                                      strategy={"name": "pipeline", "microbatches": 4, "split_points": ["4"]},
+                                      data={"batch_size": 16}, trainer=evals))
+    one = run(tmp_path, write_recipe(tmp_path, "one-eval", SEEDED_MLP, strategy={"name": "ddp"},
+                                     data={"batch_size": 16}, launch={"nproc_per_node": 1}, trainer=evals))
     ours, ref = eval_rows(pipe), eval_rows(one)
     assert len(ours) == 2 and [r["eval_accuracy"] for r in ours] == [r["eval_accuracy"] for r in ref]
     assert [r["eval_loss"] for r in ours] == pytest.approx([r["eval_loss"] for r in ref], rel=RTOL)
@@ -182,17 +175,18 @@ def test_pipeline_times_data_parallel_on_4_processes_follows_the_one_process_tra
     the two pipelines (DDP over the "dp" group; without it the replicas drift apart and so does the
     loss), one copy of each stage is written, and evaluation sums over the pipelines, not the ranks."""
     evals = {"eval_every": 10, "eval_steps": 2}
-    path = recipe(tmp_path, "pp2dp2", {"name": "pipeline", "schedule": "1f1b", "microbatches": 2,
-                                       "split_points": ["4"], "data_parallel": 2},
-                  data={"batch_size": 8}, launch={"nproc_per_node": 4}, trainer=evals)
+    path = write_recipe(tmp_path, "pp2dp2", SEEDED_MLP,
+                        strategy={"name": "pipeline", "schedule": "1f1b", "microbatches": 2, "split_points": ["4"],
+                                  "data_parallel": 2},
+                        data={"batch_size": 8}, launch={"nproc_per_node": 4}, trainer=evals)
     run_dir = run(tmp_path, path)
     assert losses(run_dir) == pytest.approx(single, rel=RTOL)
     result = summary(run_dir)
     assert result["replicas_identical"] is True and len(set(result["replica_digests"])) == 2  # 2 stages x 2 copies
     ckpt = run_dir / "checkpoints" / "step-00000020"
     assert sorted(p.name for p in ckpt.glob("pipeline-stage-*")) == ["pipeline-stage-000.pt", "pipeline-stage-001.pt"]
-    one = run(tmp_path, recipe(tmp_path, "one", {"name": "ddp"}, data={"batch_size": 16},
-                               launch={"nproc_per_node": 1}, trainer=evals))
+    one = run(tmp_path, write_recipe(tmp_path, "one", SEEDED_MLP, strategy={"name": "ddp"}, data={"batch_size": 16},
+                                     launch={"nproc_per_node": 1}, trainer=evals))
     ours, ref = eval_rows(run_dir), eval_rows(one)
     assert len(ours) == 2 and [r["eval_accuracy"] for r in ours] == [r["eval_accuracy"] for r in ref]
     assert [r["eval_loss"] for r in ours] == pytest.approx([r["eval_loss"] for r in ref], rel=RTOL)

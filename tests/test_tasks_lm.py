@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_runs import STEPS, TINY, lm_recipe
-from run_helpers import losses, summary, trainkit
+from lm_runs import STEPS, TINY, tiny_lm
+from run_helpers import losses, summary, trainkit, write_recipe
 from strategy_runs import RTOL, run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("ddp")
-    path = lm_recipe(tmp, "ddp", corpus, trainer={"eval_every": 4, "eval_steps": 100})
+    path = write_recipe(tmp, "ddp", tiny_lm(corpus), trainer={"eval_every": 4, "eval_steps": 100})
     return tmp, path, run(tmp, path)
 
 
@@ -111,7 +111,7 @@ def _estimate(tmp: Path, corpus: dict, model: dict, batch: int) -> float:
     from trainkit import registry
     from trainkit.recipe import resolve
 
-    recipe = resolve(lm_recipe(tmp, "flops", corpus, model=model, data={"batch_size": batch})).recipe
+    recipe = resolve(write_recipe(tmp, "flops", tiny_lm(corpus), model=model, data={"batch_size": batch})).recipe
     task = registry.component(recipe.task)(recipe.task, device=torch.device("cpu"), recipe=recipe)
     return task.flops_per_microbatch()
 
@@ -169,8 +169,9 @@ def test_a_hugging_face_model_from_a_recipe_config_trains_under_fsdp(tmp_path, c
     pytest.importorskip("transformers")
     config = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64}
-    path = lm_recipe(tmp_path, "hf", corpus, model={"name": "hf_causal_lm", "args": {"config": config}, "init": "auto"},
-                     strategy={"name": "fsdp", "wrap": ["LlamaDecoderLayer"]}, trainer={"max_steps": 4})
+    path = write_recipe(tmp_path, "hf", tiny_lm(corpus),
+                        model={"name": "hf_causal_lm", "args": {"config": config}, "init": "auto"},
+                        strategy={"name": "fsdp", "wrap": ["LlamaDecoderLayer"]}, trainer={"max_steps": 4})
     run_dir = run(tmp_path, path)
     out = losses(run_dir)
     assert len(out) == 4 and out[-1] < out[0]

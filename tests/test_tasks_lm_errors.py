@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lm_runs import lm_recipe, make_corpus
-from run_helpers import trainkit
+from lm_runs import make_corpus, tiny_lm
+from run_helpers import trainkit, write_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,20 +37,21 @@ def line_of(path: Path, key: str) -> str:
 
 
 def test_a_missing_tokenizer_file_is_refused(tmp_path, corpus):
-    path = lm_recipe(tmp_path, "bad", {**corpus, "tokenizer": str(tmp_path / "nope.json")})
+    path = write_recipe(tmp_path, "bad", tiny_lm({**corpus, "tokenizer": str(tmp_path / "nope.json")}))
     out = refused(tmp_path, path, "--deep")
     assert line_of(path, "tokenizer:") in out and "tokenizer file not found" in out and "train-tokenizer" in out
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path, corpus):
-    path = lm_recipe(tmp_path, "bad", corpus, model={"name": "transformer", "args": {
-        "vocab_size": 200, "dim": 32, "layers": 1, "heads": 2, "seq_len": 32}})
+    path = write_recipe(tmp_path, "bad", tiny_lm(corpus),
+                        model={"name": "transformer",
+                               "args": {"vocab_size": 200, "dim": 32, "layers": 1, "heads": 2, "seq_len": 32}})
     out = refused(tmp_path, path, "--deep")
     assert line_of(path, "tokenizer:") in out and "the model's vocabulary has 200" in out
 
 
 def test_seq_len_longer_than_the_model_maximum_is_refused(tmp_path, corpus):
-    path = lm_recipe(tmp_path, "bad", corpus, data={"seq_len": 64})
+    path = write_recipe(tmp_path, "bad", tiny_lm(corpus), data={"seq_len": 64})
     out = refused(tmp_path, path)
     assert line_of(path, "seq_len: 64") in out and "longer than the model's maximum 32" in out
 
@@ -58,35 +59,36 @@ def test_seq_len_longer_than_the_model_maximum_is_refused(tmp_path, corpus):
 def test_a_jsonl_record_without_the_text_field_is_refused(tmp_path, corpus):
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"text": "a b c"}) + "\n" + json.dumps({"body": "d e f"}) + "\n")
-    path = lm_recipe(tmp_path, "bad", {**corpus, "files": [str(data)], "eval_files": []})
+    path = write_recipe(tmp_path, "bad", tiny_lm({**corpus, "files": [str(data)], "eval_files": []}))
     out = refused(tmp_path, path, "--deep")
     assert f"{data}:2: the record has no field 'text'" in out and "data.text_field" in out
 
 
 def test_classification_on_text_is_refused(tmp_path, corpus):
-    path = lm_recipe(tmp_path, "bad", corpus, task={"name": "classification"})
+    path = write_recipe(tmp_path, "bad", tiny_lm(corpus), task={"name": "classification"})
     out = refused(tmp_path, path)
     assert line_of(path, "name: text") in out and "task: {name: causal_lm}" in out
 
 
 def test_an_unknown_hugging_face_model_type_suggests_the_right_one(tmp_path, corpus):
     pytest.importorskip("transformers")
-    path = lm_recipe(tmp_path, "bad", corpus, model={"name": "hf_causal_lm", "args": {"config": {
-        "model_type": "lama", "vocab_size": 320, "hidden_size": 32}}})
+    path = write_recipe(tmp_path, "bad", tiny_lm(corpus),
+                        model={"name": "hf_causal_lm",
+                               "args": {"config": {"model_type": "lama", "vocab_size": 320, "hidden_size": 32}}})
     out = refused(tmp_path, path, "--deep")
     assert line_of(path, "model_type: lama") in out and "did you mean 'llama'" in out
 
 
 def test_a_hugging_face_model_cannot_be_pipelined(tmp_path, corpus):
-    path = lm_recipe(tmp_path, "bad", corpus, data={"batch_size": 8},
-                     model={"name": "hf_causal_lm", "args": {"config": {"model_type": "llama"}}},
-                     strategy={"name": "pipeline", "microbatches": 2})
+    path = write_recipe(tmp_path, "bad", tiny_lm(corpus), data={"batch_size": 8},
+                        model={"name": "hf_causal_lm", "args": {"config": {"model_type": "llama"}}},
+                        strategy={"name": "pipeline", "microbatches": 2})
     out = refused(tmp_path, path)
     assert "cannot be pipelined" in out and re.search(r"bad\.yaml:\d+:\d+: strategy\.name", out)
 
 
 def test_an_unknown_task_is_refused(tmp_path, corpus):
-    path = lm_recipe(tmp_path, "bad", corpus, task={"name": "causal_llm"})
+    path = write_recipe(tmp_path, "bad", tiny_lm(corpus), task={"name": "causal_llm"})
     out = refused(tmp_path, path)
     assert line_of(path, "name: causal_llm") in out or "causal_llm" in out
 
