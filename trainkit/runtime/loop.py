@@ -98,6 +98,8 @@ class Loop:
     progress: Optional[Progress] = None  # rank 0 only; also one of the sinks
     monitors: MonitorHooks = field(default_factory=NoMonitors)  # every rank
     forward_marks: Optional[ForwardMarks] = None  # set when a monitor times the forward separately
+    # called with the step number after each optimizer step, once its logging and checkpoint are done
+    # (the test suite's fault injection adds its faults here)
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)
     last_checkpoint: Optional[Path] = None  # the newest checkpoint known good (the resume source at start)
