@@ -34,6 +34,9 @@ from pathlib import Path
 
 import yaml
 
+from trainkit.processes import WORKER
+from trainkit.run_dir import metrics_path, read_metrics, read_summary
+
 REPO = Path(__file__).resolve().parent.parent
 PLAIN = Path(__file__).resolve().parent / "plain_ddp.py"
 MODEL = {"in_features": 3072, "hidden": 2048, "depth": 3, "num_classes": 10}
@@ -76,11 +79,11 @@ def run_trainkit(folder: Path, path: Path, name: str, warmup: int, env: dict) ->
 def run_timing(run_dir: Path, warmup: int, start: float) -> tuple[float, float]:
     """(steady-state s/step from step `warmup` on, command to first step) of a finished trainkit run,
     from its metrics.jsonl and summary.json; the metrics file is removed so the next repeat starts clean."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     by_step = {r["step"]: r["time"] for r in rows}
     first, last = min(s for s in by_step if s >= warmup), max(by_step)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    (run_dir / "metrics.jsonl").unlink()
+    summary = read_summary(run_dir)
+    metrics_path(run_dir).unlink()
     return (by_step[last] - by_step[first]) / (last - first), summary["first_step_at"] - start
 
 
@@ -91,7 +94,7 @@ def run_worker_under_torchrun(folder: Path, name: str, warmup: int, env: dict) -
     env = {k: v for k, v in env.items() if k != "TRAINKIT_LAUNCHER_PID"}
     start = time.time()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "trainkit.runtime.worker", str(run_dir)], cwd=folder, env=env,
+                          "-m", WORKER, str(run_dir)], cwd=folder, env=env,
                          capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         sys.exit(f"worker under torchrun failed:\n{res.stdout}\n{res.stderr}")

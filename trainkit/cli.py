@@ -748,26 +748,26 @@ def _sync_one(run_dir) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from .monitors.bottleneck import diagnose
     from .recipe import RecipeError, resolve
+    from .run_dir import BREAKDOWN, RECIPE, RESOLVED_RECIPE, read_json, report_path
 
     run_dir = Path(args.run_dir)
-    evidence_path = run_dir / "reports" / "breakdown.json"
+    evidence_path = report_path(run_dir, BREAKDOWN)
     if not evidence_path.is_file():
         print(f"trainkit: {evidence_path} not found: is {run_dir} a finished trainkit run directory?", file=sys.stderr)
         return EXIT_INVALID
     try:
-        evidence = json.loads(evidence_path.read_text())
+        evidence = read_json(evidence_path)
     except ValueError:
         print(f"trainkit: {evidence_path} is not valid JSON (cut short by a crash?)", file=sys.stderr)
         return EXIT_FAILED
     try:
-        recipe = resolve(run_dir / "recipe.yaml").recipe
+        recipe = resolve(run_dir / RECIPE).recipe
     except RecipeError:  # its ${oc.env:...} references need the run's environment: the shown copy will do
-        recipe = resolve(run_dir / "recipe.resolved.yaml").recipe
+        recipe = resolve(run_dir / RESOLVED_RECIPE).recipe
     print(diagnose(evidence["per_rank"], recipe, env=evidence.get("env"), wall=evidence.get("wall"),
                    gpu=evidence.get("gpu"), global_batch=evidence.get("global_batch")).markdown(recipe.name), end="")
     return EXIT_OK

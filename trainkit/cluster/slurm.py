@@ -12,6 +12,7 @@ import shlex
 from typing import Optional, Sequence
 
 from ..recipe.launch_plan import run_dir_for
+from ..run_dir import SLURM
 
 
 class SlurmError(Exception):
@@ -35,7 +36,7 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
     if gpus_per_node and la.nproc_per_node > gpus_per_node:
         raise SlurmError(f"launch.nproc_per_node {la.nproc_per_node} exceeds --gpus-per-node {gpus_per_node}")
     run_dir = run_dir_for(recipe)
-    logs = run_dir / "slurm"
+    logs = run_dir / SLURM
     cpus = cpus_per_task or max(1, la.nproc_per_node * max(1, (recipe.data.num_workers or 0) + 1))
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={recipe.name}",

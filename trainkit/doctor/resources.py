@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..recipe.launch_plan import run_dir_for
+from ..run_dir import CHECKPOINTS
 from .check import Check, failed, human_bytes, passed, warned
 
 SHM = "/dev/shm"
@@ -131,7 +132,7 @@ def checkpoint_estimate(recipe) -> tuple[int, str]:
 
 
 def _previous_checkpoint(run_dir: Path) -> int:
-    folders = sorted((run_dir / "checkpoints").glob("step-*"))
+    folders = sorted((run_dir / CHECKPOINTS).glob("step-*"))
     if not folders:
         return 0
     return sum(f.stat().st_size for f in folders[-1].rglob("*") if f.is_file())

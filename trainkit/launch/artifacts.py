@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..recipe.schema import Recipe
+from ..run_dir import CHECKPOINTS, MODEL
 from ..runtime.checkpoint import newest_valid
 from ..runtime.export import consolidated_state_dict
 from ..runtime.model import build_model
@@ -32,7 +33,7 @@ def model_artifacts(recipe: Recipe, run_dir: Path, status: str) -> tuple[list[tu
     t = recipe.tracking
     if not (t.log_checkpoints or t.log_model):
         return [], {}  # finding the newest valid checkpoint re-hashes its files: only when asked
-    newest = newest_valid(run_dir / "checkpoints", warn=False)
+    newest = newest_valid(run_dir / CHECKPOINTS, warn=False)
     if newest is None:
         return [], {}
     artifacts: list[tuple[Path, Optional[str]]] = []
@@ -43,7 +44,7 @@ def model_artifacts(recipe: Recipe, run_dir: Path, status: str) -> tuple[list[tu
             model = build_model(recipe.model.model_copy(update={"weights": None}))
             model.load_state_dict(consolidated_state_dict(newest)[1])
             model.eval()
-            artifacts.append((save_pytorch_model(model, run_dir / "model", example_input(recipe)), "model"))
+            artifacts.append((save_pytorch_model(model, run_dir / MODEL, example_input(recipe)), "model"))
         except Exception as exc:  # a model that cannot be saved must not hold back the run's status
             return artifacts, {"trainkit.log_model_error": f"{type(exc).__name__}: {exc}"[:5000]}
     return artifacts, {}

@@ -1,19 +1,9 @@
 """`trainkit run`: preflight, the run directory, then the workers under torchrun's elastic agent.
 
-Run directory (stable per recipe name, so `resume: auto` finds the previous launch's checkpoints):
-
-    RUN_DIR = <launch.run_dir>/<name>/
-      recipe.yaml              the composed recipe the workers read (latest launch); `${oc.env:...}`
-                               references stay unresolved: each worker resolves them from its own
-                               environment, so no secret is ever written to disk
-      recipe.resolved.yaml     the resolved recipe for people, secrets shown as ***
-      checkpoints/step-NNNNNNNN/
-      metrics.jsonl            appended by every launch
-      summary.json             written by rank 0 at the end
-      logs/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, error.json   (torchelastic)
-      launches/<timestamp>/    recipe.yaml, recipe.resolved.yaml, command.txt, environment.json of each
-                               launch (environment.json: secret-looking variables' values dropped)
-      launch.lock              the live launch (see lock.py): one launch per run directory
+Run directory: RUN_DIR = <launch.run_dir>/<name>/, stable per recipe name so `resume: auto` finds the
+previous launch's checkpoints. Its files and their names: `trainkit.run_dir` (LAYOUT). The composed
+recipe.yaml keeps `${oc.env:...}` references unresolved: each worker resolves them from its own
+environment, so no secret is ever written to disk.
 
 World size 1 runs the same worker code in this process (no torchrun, no restarts).
 
@@ -37,9 +27,11 @@ from typing import Optional, Sequence
 
 from .. import cluster, doctor
 from ..recipe import drift, secrets
-from ..recipe.launch_plan import FATAL_FILE, run_dir_for, torchrun_command
+from ..recipe.launch_plan import run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
+from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
+                       TRACKING, clear_fatal, read_summary, summary_path, write_json)
 from ..runtime import preflight
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
@@ -86,24 +78,24 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
     recipe = resolved.recipe
     run_dir = run_dir_for(recipe)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    launch_dir, n = run_dir / "launches" / stamp, 1
-    (run_dir / "launches").mkdir(parents=True, exist_ok=True)
+    launch_dir, n = run_dir / LAUNCHES / stamp, 1
+    (run_dir / LAUNCHES).mkdir(parents=True, exist_ok=True)
     while True:  # several nodes may launch in the same second on a shared run dir
         try:
             launch_dir.mkdir()
             break
         except FileExistsError:
             n += 1
-            launch_dir = run_dir / "launches" / f"{stamp}-{n}"
-    (run_dir / FATAL_FILE).unlink(missing_ok=True)  # a new launch is a deliberate retry
-    ckpts = run_dir / "checkpoints"
+            launch_dir = run_dir / LAUNCHES / f"{stamp}-{n}"
+    clear_fatal(run_dir)  # a new launch is a deliberate retry
+    ckpts = run_dir / CHECKPOINTS
     if recipe.trainer.resume == "never" and ckpts.is_dir() and any(ckpts.iterdir()):
-        aside = run_dir / f"checkpoints.before-{launch_dir.name}"
+        aside = run_dir / f"{CHECKPOINTS}.before-{launch_dir.name}"
         ckpts.rename(aside)
         print(f"trainkit: resume: never: moved the previous checkpoints to {aside}")
-    spool = run_dir / "tracking"
+    spool = run_dir / TRACKING
     if recipe.trainer.resume == "never" and spool.is_dir():
-        spool.rename(run_dir / f"tracking.before-{launch_dir.name}")  # a fresh MLflow run
+        spool.rename(run_dir / f"{TRACKING}.before-{launch_dir.name}")  # a fresh MLflow run
     source = resolved.redact_text(recipe_path + (" " + " ".join(overrides) if overrides else ""))
     composed = ("# Composed by trainkit from " + source + "\n# ${oc.env:...} references are resolved by each "
                 "worker from its environment; recipe.resolved.yaml shows the values (secrets as ***)\n"
@@ -111,14 +103,14 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
     shown = "# Resolved by trainkit from " + source + " (secrets shown as ***)\n" + \
         yaml.safe_dump(resolved.redacted(), sort_keys=False)
     for folder in (run_dir, launch_dir):
-        (folder / "recipe.yaml").write_text(composed)
-        (folder / "recipe.resolved.yaml").write_text(shown)
+        (folder / RECIPE).write_text(composed)
+        (folder / RESOLVED_RECIPE).write_text(shown)
     command = ["trainkit", "run", recipe_path, *overrides]
     lines = [shlex.join(command)]
     if (recipe.world_size or 2) > 1:
         lines.append(shlex.join(torchrun_command(recipe, run_dir)))
-    (launch_dir / "command.txt").write_text(resolved.redact_text("\n".join(lines)) + "\n")
-    (launch_dir / "environment.json").write_text(json.dumps(_environment(), indent=2) + "\n")
+    (launch_dir / COMMAND).write_text(resolved.redact_text("\n".join(lines)) + "\n")
+    write_json(launch_dir / ENVIRONMENT, _environment())
     return run_dir, launch_dir
 
 
@@ -207,7 +199,7 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
     in_process = recipe.world_size == 1
     print(f"trainkit: run {recipe.name}: {recipe.world_size or recipe.launch.nnodes} process(es)"
           f"{' in-process' if in_process else ''}, run dir {run_dir}", flush=True)
-    environment = json.loads((launch_dir / "environment.json").read_text())
+    environment = json.loads((launch_dir / ENVIRONMENT).read_text())
     where = tracking.open_run(resolved, run_dir, launch_dir, environment, job=tracking_job, wait_s=wait_for_run_s)
     if where and decision.accepted:
         tracking.continue_in_new_run(run_dir, decision.step, resolved.redacted(), drift.summary(decision.accepted))
@@ -230,7 +222,7 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
 
 def _close(recipe: Recipe, run_dir: Path, launch_dir: Path, where: Optional[str], code: int, reason: str) -> int:
     if code != 0:
-        (launch_dir / "failure.txt").write_text(reason + "\n")
+        (launch_dir / FAILURE).write_text(reason + "\n")
     if where:
         from .artifacts import model_artifacts  # torch: imported where the work is
 
@@ -272,9 +264,9 @@ def completed(run_dir: Path, launch_dir: Optional[Path]) -> bool:
     """Did that launch finish training? Its summary.json (written after the final checkpoint) is
     there, complete, newer than the launch, and names a complete checkpoint of the last step."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        if launch_dir is not None and (run_dir / "summary.json").stat().st_mtime < \
-                (launch_dir / "command.txt").stat().st_mtime:
+        summary = read_summary(run_dir)
+        if launch_dir is not None and summary_path(run_dir).stat().st_mtime < \
+                (launch_dir / COMMAND).stat().st_mtime:
             return False  # an earlier launch's summary
     except (OSError, ValueError):
         return False
@@ -282,17 +274,17 @@ def completed(run_dir: Path, launch_dir: Optional[Path]) -> bool:
         return False
     name = Path(summary["checkpoint"]).name  # the path may be relative to the launch's folder: look here
     return name == f"step-{int(summary.get('steps', -1)):08d}" and \
-        (run_dir / "checkpoints" / name / "meta.json").is_file()
+        (run_dir / CHECKPOINTS / name / "meta.json").is_file()
 
 
 def latest_launch(run_dir: Path) -> Optional[Path]:
-    launches = [p for p in (run_dir / "launches").glob("*") if (p / "command.txt").is_file()]
-    return max(launches, key=lambda p: (p / "command.txt").stat().st_mtime) if launches else None
+    launches = [p for p in (run_dir / LAUNCHES).glob("*") if (p / COMMAND).is_file()]
+    return max(launches, key=lambda p: (p / COMMAND).stat().st_mtime) if launches else None
 
 
 def finalize_dead_launch(run_dir: Path, announce: bool) -> Optional[str]:
     """Close the MLflow run a dead launch left RUNNING (its status from what the run dir proves)."""
-    if not (run_dir / "tracking").is_dir():
+    if not (run_dir / TRACKING).is_dir():
         return None
     launch_dir = latest_launch(run_dir)
     status = tracking.finalize_dead_launch(run_dir, launch_dir, completed(run_dir, launch_dir))
@@ -343,12 +335,12 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
     cmd = torchrun_command(recipe, run_dir)
-    announcer = failures.RestartAnnouncer(run_dir / "logs", lambda: newest_valid(run_dir / "checkpoints", warn=False))
+    announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False))
     try:
         with announcer:
             torchrun.run(torchrun.parse_args(cmd[1:]))
     except ChildFailedError as err:
-        report = redact(failures.summarize(err, run_dir / "logs", recipe.launch.max_restarts))
+        report = redact(failures.summarize(err, run_dir / LOGS, recipe.launch.max_restarts))
         print(report, file=sys.stderr)
         return 1, _with_disk_full_note(report, run_dir)
     except SignalException as exc:
@@ -357,14 +349,14 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -
         return _stopped(signal.SIGINT, run_dir, launch_dir)
     except Exception as exc:  # the agent itself failed (e.g. an unreadable error file on a full disk)
         reason = redact(f"torchrun's agent failed: {type(exc).__name__}: {exc}")
-        print(f"trainkit: {reason} (worker logs: {run_dir / 'logs'})", file=sys.stderr)
+        print(f"trainkit: {reason} (worker logs: {run_dir / LOGS})", file=sys.stderr)
         return 1, _with_disk_full_note(reason, run_dir)
     return 0, ""
 
 
 def _with_disk_full_note(report: str, run_dir: Path) -> str:
     """Say that the checkpoint disk is full when the ranks' own report could not (it lives there too)."""
-    note = failures.disk_full_note(run_dir / "checkpoints")
+    note = failures.disk_full_note(run_dir / CHECKPOINTS)
     if note is None or "no space left on the disk holding" in report:
         return report
     print(note, file=sys.stderr, flush=True)
@@ -375,7 +367,7 @@ def _stopped(signum: int, run_dir: Path, launch_dir: Path) -> tuple[int, str]:
     if completed(run_dir, launch_dir):  # the signal came after the last checkpoint and summary.json
         print(f"trainkit: {signal.Signals(signum).name}: {COMPLETED}", file=sys.stderr, flush=True)
         return 0, f"{COMPLETED} ({signal.Signals(signum).name})"
-    latest: Optional[Path] = newest_valid(run_dir / "checkpoints", warn=False)
+    latest: Optional[Path] = newest_valid(run_dir / CHECKPOINTS, warn=False)
     where = f"newest complete checkpoint: {latest} (resume: auto continues from it)" if latest else \
         "no complete checkpoint was written"
     reason = f"stopped by {signal.Signals(signum).name}: workers terminated; {where}"

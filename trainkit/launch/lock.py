@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-LOCK_NAME = "launch.lock"
+from ..run_dir import LOCK
+
+LOCK_NAME = LOCK
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 60.0  # six missed heartbeats: a frozen NFS client or a stopped (SIGSTOP) launcher
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..recipe import drift
+from ..run_dir import CHECKPOINTS, has_summary
 from ..runtime.checkpoint import newest_valid, saved_recipe, saved_step
 
 
@@ -31,7 +32,7 @@ def decide(resolved, run_dir: Path, accept_changes: bool) -> ResumeDecision:
     if resume == "never":
         return ResumeDecision()
     if resume == "auto":
-        checkpoint = newest_valid(run_dir / "checkpoints", warn=False)
+        checkpoint = newest_valid(run_dir / CHECKPOINTS, warn=False)
     else:
         checkpoint = Path(resume).expanduser()  # checked (and reported) by the workers
         if not (checkpoint / "meta.json").is_file():
@@ -50,7 +51,7 @@ def decide(resolved, run_dir: Path, accept_changes: bool) -> ResumeDecision:
     if found is not None and found.refused and not accept_changes:
         print(f"trainkit: not started: {found.message(str(checkpoint), recipe.name)}", file=sys.stderr)
         return ResumeDecision(exit_code=2, checkpoint=checkpoint, step=step)
-    if step >= recipe.trainer.max_steps and (run_dir / "summary.json").is_file() and not (found and found.refused):
+    if step >= recipe.trainer.max_steps and has_summary(run_dir) and not (found and found.refused):
         print(f"trainkit: run {recipe.name} is already complete: step {step} of trainer.max_steps "
               f"{recipe.trainer.max_steps}, checkpoint {checkpoint}; nothing to do (raise trainer.max_steps to "
               f"train longer, or give it another name= to start over)", flush=True)

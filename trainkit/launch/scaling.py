@@ -23,6 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..processes import CLI
+from ..run_dir import read_metrics
+
 
 @dataclass
 class Point:
@@ -68,11 +71,11 @@ def measure_recipe(recipe: Path, overrides: list[str], nproc: int, steps: int, b
                    warmup: int, timeout: float) -> Point:
     """`trainkit run` with nproc processes on one node, every step logged; times from metrics.jsonl."""
     name = f"scaling-n{nproc}"
-    _run([sys.executable, "-m", "trainkit.cli", "run", str(recipe), *overrides, f"name={name}",
+    _run([sys.executable, "-m", CLI, "run", str(recipe), *overrides, f"name={name}",
           f"launch.nproc_per_node={nproc}", "launch.nnodes=1", f"trainer.max_steps={steps}", "trainer.log_every=1",
           "trainer.eval_every=null", "trainer.resume=never", f"launch.run_dir={work}", "tracking.enabled=false"],
          cwd=work, timeout=timeout)
-    rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(work / name)
     durations = step_times({r["step"]: r["time"] for r in rows}, warmup)
     return Point(nproc, statistics.median(durations), (min(durations), max(durations)), batch * nproc)
 

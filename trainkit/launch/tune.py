@@ -25,14 +25,16 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..monitors.bottleneck import Diagnosis, diagnose
+from ..processes import CLI
 from ..recipe.problems import did_you_mean
+from ..run_dir import (REPORTS, TRACKING, WARMUP_STEPS, measured_step_times, read_evidence, read_metrics,
+                       read_summary)
 from ..tracking.delivery import deliver
 from ..tracking.run import close_parent_run, link_to_parent, open_parent_run
 from . import tune_knobs, tune_stats
 from .tune_knobs import Knob
 
 MAX_PAIRS = 7  # trials per change before it is called "no significant gain"
-WARMUP_STEPS = 2  # the loop's own warm-up: metrics.jsonl has step_time_s from step 3 on
 MIN_STEPS = WARMUP_STEPS + 3
 
 
@@ -272,7 +274,7 @@ class Tuner:
         monitors = list(self.resolved.raw.get("monitors") or [])
         if not any((m if isinstance(m, str) else m.get("name")) == "breakdown" for m in monitors):
             monitors.append("breakdown")  # every trial alike: the baseline's diagnosis needs it
-        cmd = [sys.executable, "-m", "trainkit.cli", "run", self.recipe_path, *self.user_overrides, *arm.overrides(),
+        cmd = [sys.executable, "-m", CLI, "run", self.recipe_path, *self.user_overrides, *arm.overrides(),
                f"name={name}", f"tracking.run_name={name}", f"launch.run_dir={run_root}",
                f"trainer.max_steps={self.o.steps}", "trainer.log_every=1", "trainer.resume=never",
                "trainer.eval_every=null", "trainer.checkpoint.every=null", f"monitors={json.dumps(monitors)}",
@@ -317,7 +319,7 @@ class Tuner:
         """Remove a trial's run directory, unless tracking records in it are still undelivered."""
         if not run_dir.exists():
             return
-        if (run_dir / "tracking").is_dir():
+        if (run_dir / TRACKING).is_dir():
             pending, error = deliver(run_dir)
             if pending:
                 print(f"trainkit: tune: kept {run_dir}: {pending} tracking record(s) undelivered ({error})",
@@ -344,7 +346,7 @@ class Tuner:
 
     def _link_child(self, run_dir: Path, arm: Arm, trial: Trial) -> None:
         """Spool the trial run's link to the tune run (`_discard` delivers it, or `trainkit sync` later)."""
-        if self.parent is not None and (run_dir / "tracking").is_dir():
+        if self.parent is not None and (run_dir / TRACKING).is_dir():
             link_to_parent(run_dir, self.parent, {"trainkit.tune.change": arm.name},
                            {} if trial.samples_per_s is None else {"tune/samples_per_s": trial.samples_per_s})
 
@@ -359,7 +361,7 @@ class Tuner:
             metrics["tuned/gain"] = self.final.verdict.gain
             tags["trainkit.tune.kept"] = self.final.name
         if report is not None:  # a copy beside the spool: delivered later, it is still there
-            kept = self.parent / "reports" / report.name
+            kept = self.parent / REPORTS / report.name
             kept.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(report, kept)
             artifacts.append(kept)
@@ -497,11 +499,11 @@ def _throughput(run_dir: Path) -> tuple[Optional[float], str]:
     """Samples/s of the measured steps: global batch / median step time (warm-up steps excluded: the
     loop writes step_time_s only after them)."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        summary = read_summary(run_dir)
+        rows = read_metrics(run_dir)
     except (OSError, ValueError) as exc:
         return None, f"no measurements in {run_dir}: {exc}"
-    times = [r["step_time_s"] for r in rows if r.get("step_time_s") and r.get("step", 0) > WARMUP_STEPS]
+    times = measured_step_times(rows)
     if not times:
         return None, f"no measured steps (use --steps {MIN_STEPS} or more)"
     return summary["global_batch"] / statistics.median(times), ""
@@ -509,7 +511,7 @@ def _throughput(run_dir: Path) -> tuple[Optional[float], str]:
 
 def _diagnosis(run_dir: Path, recipe) -> Optional[Diagnosis]:
     try:
-        evidence = json.loads((run_dir / "reports" / "breakdown.json").read_text())
+        evidence = read_evidence(run_dir)
     except (OSError, ValueError):
         return None
     return diagnose(evidence["per_rank"], recipe)

@@ -21,6 +21,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..run_dir import WARMUP_STEPS
+
 DATA_SHARE, COMM_SHARE = 0.25, 0.25  # a phase taking a quarter of the step is worth fixing first
 STRAGGLER_MARGIN = 0.2
 OVERHEAD_SHARE = 0.10  # checkpoints / evaluation / logging above this share of wall time get advice
@@ -187,7 +189,7 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
     wall_rows, wall_evidence, wall_tips, wall_facts = wall_advice(recipe, wall or {})
     ranks = [r for r in per_rank if r.get("steps")]
     if not ranks:
-        d = Diagnosis("unknown", "too few steps to measure (the first 2 steps of a launch are warm-up)",
+        d = Diagnosis("unknown", f"too few steps to measure (the first {WARMUP_STEPS} steps of a launch are warm-up)",
                       wall_evidence, wall_tips, wall=wall_rows, facts=wall_facts)
         return d
     step = statistics.median(r["total"] for r in ranks)

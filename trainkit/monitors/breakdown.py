@@ -9,6 +9,7 @@ import os
 import time
 from typing import Optional
 
+from ..run_dir import BREAKDOWN, LIVE
 from .base import Monitor, StepTimes
 
 PHASES = ("data_wait", "forward", "backward", "optimizer", "comm", "comm_exposed", "total")
@@ -57,13 +58,13 @@ class BreakdownMonitor(Monitor):
 
     def _write_live(self, step: int, per_rank: list[dict]) -> None:
         """RUN_DIR/live/breakdown.json: every rank's phases of the last interval, for `trainkit top`."""
-        live = self.ctx.run_dir / "live"
+        live = self.ctx.run_dir / LIVE
         try:
             live.mkdir(exist_ok=True)
-            tmp = live / "breakdown.json.tmp"
+            tmp = live / f"{BREAKDOWN}.tmp"
             tmp.write_text(json.dumps({"step": step, "time": time.time(),
                                        "per_rank": [dict(r, rank=i) for i, r in enumerate(per_rank)]}))
-            os.replace(tmp, live / "breakdown.json")
+            os.replace(tmp, live / BREAKDOWN)
         except OSError:  # a live view is not worth failing a run over
             pass
 

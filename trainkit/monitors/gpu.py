@@ -5,12 +5,12 @@ the loop logs). Without a GPU or NVML it says so once and does nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 from typing import Callable, Optional
 
+from ..run_dir import GPU, REPORTS, write_json
 from .base import Monitor
 
 MB = 1024 * 1024
@@ -135,9 +135,9 @@ class GpuMonitor(Monitor):
         if not busy:
             return None
         mean = sum(busy) / len(busy)
-        reports = self.ctx.run_dir / "reports"
+        reports = self.ctx.run_dir / REPORTS
         reports.mkdir(exist_ok=True)
-        (reports / "gpu.json").write_text(json.dumps({"busy_percent": mean, "per_rank": busy}) + "\n")
+        write_json(reports / GPU, {"busy_percent": mean, "per_rank": busy}, indent=None)
         return "## GPU\n\n" + "\n".join(f"- rank {r}: busy {b:.0f}% of the time" for r, b in enumerate(busy)) + "\n"
 
     def report(self, step: int, per_rank: list[dict]) -> dict:

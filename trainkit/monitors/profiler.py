@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from ..run_dir import PROFILER
 from .base import Monitor
 
 
@@ -17,7 +18,7 @@ class ProfilerMonitor(Monitor):
         super().__init__(options, ctx)
         self.prof = None
         self.written: list[str] = []
-        self.folder = ctx.run_dir / "profiler"
+        self.folder = ctx.run_dir / PROFILER
         if ctx.rank not in options.ranks:
             return
         self.folder.mkdir(exist_ok=True)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import psutil
 
+from ..processes import WORKER
 from .base import Monitor
 
 MB = 1024 * 1024
@@ -41,7 +42,7 @@ class SystemMonitor(Monitor):
         me = psutil.Process()
         try:
             parent = me.parent()
-            siblings = [p for p in parent.children() if "trainkit.runtime.worker" in " ".join(p.cmdline())]
+            siblings = [p for p in parent.children() if WORKER in " ".join(p.cmdline())]
             self._workers_cache = siblings or [me]
         except (psutil.Error, AttributeError):
             self._workers_cache = [me]

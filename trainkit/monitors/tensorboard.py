@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..run_dir import PROFILER, TENSORBOARD
 from .base import Monitor
 
 
@@ -16,7 +17,7 @@ class TensorBoardMonitor(Monitor):
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         self.writer = None
-        self.log_dir = Path(options.log_dir) if options.log_dir else ctx.run_dir / "tensorboard"
+        self.log_dir = Path(options.log_dir) if options.log_dir else ctx.run_dir / TENSORBOARD
         if ctx.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -33,7 +34,7 @@ class TensorBoardMonitor(Monitor):
     def finish(self, per_rank: list[dict]) -> Optional[str]:
         if self.writer is None:
             return None
-        traces = sorted((self.ctx.run_dir / "profiler").glob("*.json")) if (self.ctx.run_dir / "profiler").is_dir() \
+        traces = sorted((self.ctx.run_dir / PROFILER).glob("*.json")) if (self.ctx.run_dir / PROFILER).is_dir() \
             else []
         if traces:  # the profile plugin: <logdir>/plugins/profile/<run>/<host>.<name>.pt.trace.json
             run = self.log_dir / "plugins" / "profile" / time.strftime("%Y_%m_%d_%H_%M_%S")

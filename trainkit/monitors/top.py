@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..run_dir import RECIPE, RESOLVED_RECIPE, has_summary, last_metrics, live_breakdown_path
+
 PHASES = (("step", "total"), ("data wait", "data_wait"), ("forward", "forward"), ("backward", "backward"),
           ("optimizer", "optimizer"), ("exposed comm", "comm_exposed"))
 
@@ -25,38 +27,21 @@ class NotARunDir(ValueError):
 def check_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise NotARunDir(f"{run_dir} is not a folder")
-    if not (run_dir / "recipe.yaml").is_file():
+    if not (run_dir / RECIPE).is_file():
         raise NotARunDir(f"{run_dir} is not a trainkit run directory (no recipe.yaml; `trainkit run` writes one "
                          f"into runs/NAME)")
 
 
-def last_metrics(run_dir: Path) -> dict:
-    """The newest log step's metrics (the last complete line of metrics.jsonl)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        f.seek(max(0, f.tell() - 65536))
-        lines = f.read().decode(errors="replace").splitlines()
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return {}
-
-
 def snapshot(run_dir: Path) -> dict:
     """Everything one frame shows, from the run's files."""
-    out = {"metrics": last_metrics(run_dir), "per_rank": [], "done": (run_dir / "summary.json").is_file()}
-    live = run_dir / "live" / "breakdown.json"
+    out = {"metrics": last_metrics(run_dir), "per_rank": [], "done": has_summary(run_dir)}
+    live = live_breakdown_path(run_dir)
     try:
         out["per_rank"] = json.loads(live.read_text())["per_rank"]
     except (OSError, ValueError, KeyError):
         pass
     try:
-        out["max_steps"] = int(re.search(r"^\s*max_steps:\s*(\d+)", (run_dir / "recipe.resolved.yaml").read_text(),
+        out["max_steps"] = int(re.search(r"^\s*max_steps:\s*(\d+)", (run_dir / RESOLVED_RECIPE).read_text(),
                                          re.M).group(1))
     except (OSError, AttributeError):
         out["max_steps"] = None

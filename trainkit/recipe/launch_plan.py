@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..processes import WORKER
+from ..run_dir import FATAL, LOGS
 from .schema import Recipe
 
-WORKER_MODULE = "trainkit.runtime.worker"
-FATAL_FILE = "fatal.json"  # in RUN_DIR: a failure no restart can fix (NaN, full disk); cleared by each launch
+WORKER_MODULE = WORKER  # what torchrun runs on every rank
+FATAL_FILE = FATAL  # kept for callers that import it from here; the name lives in trainkit.run_dir
 
 
 def run_dir_for(recipe: Recipe) -> Path:
@@ -32,7 +34,7 @@ def torchrun_command(recipe: Recipe, run_dir: str | Path) -> list[str]:
         if la.node_rank is not None:
             cmd.append(f"--node-rank={la.node_rank}")
     cmd += [f"--max-restarts={la.max_restarts}", f"--monitor-interval={la.monitor_interval:g}",
-            f"--log-dir={Path(run_dir) / 'logs'}"]
+            f"--log-dir={Path(run_dir) / LOGS}"]
     quiet = [f"{r}:3" for r in range(1, la.nproc_per_node)]  # local rank 0 keeps the console
     if quiet:
         cmd.append(f"--redirects={','.join(quiet)}")

@@ -8,13 +8,10 @@ deliberate retry and clears the marker.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ..recipe.launch_plan import FATAL_FILE
+from ..run_dir import FATAL, read_fatal, write_fatal
 from .checkpoint_layout import disk_full_message, disk_too_full, failed_save
-
-FATAL = FATAL_FILE
 
 
 class NonRetryableError(RuntimeError):
@@ -24,7 +21,7 @@ class NonRetryableError(RuntimeError):
 def record(run_dir: Path, exc: Exception) -> None:
     """Leave the marker for the restarted ranks (the worker calls this for NaN and full-disk failures)."""
     try:  # small; on a full disk it may not fit either, and then the restart redoes the failure
-        (run_dir / FATAL).write_text(json.dumps({"error": type(exc).__name__, "message": str(exc)}) + "\n")
+        write_fatal(run_dir, exc)
     except OSError:
         pass
 
@@ -33,9 +30,8 @@ def raise_if_restart_would_repeat(run_dir: Path, ckpt_dir: Path) -> None:
     """Before a restart redoes any work: did the last attempt fail in a way a restart repeats? The
     marker says so when it could be written; on a disk too full even for it, the save it abandoned
     (`.tmp-step-...`) and the free space say so."""
-    path = run_dir / FATAL
-    if path.is_file():
-        fatal = json.loads(path.read_text())
+    fatal = read_fatal(run_dir)
+    if fatal is not None:
         raise NonRetryableError(f"not restarting: {fatal['message']}")
     abandoned = failed_save(ckpt_dir)
     if abandoned is not None and disk_too_full(ckpt_dir):

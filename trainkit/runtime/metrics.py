@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from ..run_dir import rewound_metrics_path
+
 
 class JsonlSink:
     """One JSON object per logged step in RUN_DIR/metrics.jsonl (appended across launches)."""
@@ -22,7 +24,7 @@ class JsonlSink:
         lines = self.path.read_text().splitlines(keepends=True)
         later = [line for line in lines if _step(line) > step]
         if later:
-            aside = self.path.with_name(f"metrics.rewound-{time.strftime('%Y%m%d-%H%M%S')}-{step}.jsonl")
+            aside = rewound_metrics_path(self.path, time.strftime('%Y%m%d-%H%M%S'), step)
             with open(aside, "a") as fh:
                 fh.writelines(later)
             tmp = self.path.with_suffix(".tmp")

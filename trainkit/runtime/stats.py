@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from ..run_dir import WARMUP_STEPS  # the first steps of a launch: allocation, autotuning, worker start-up
 from .timing import StepTimes
 
-WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up
 FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm", "comm_exposed")
 KEPT_STEPS = 100_000  # per-step values kept for the medians (7 floats a step)
 

@@ -30,6 +30,7 @@ from .. import registry
 from ..monitors.base import build_monitors, context
 from ..recipe import resolve
 from ..recipe.schema import Recipe
+from ..run_dir import CHECKPOINTS, METRICS, RECIPE
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
 from . import accepted_changes, error_file, fatal
@@ -122,7 +123,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         eval_loader = make_loader(eval_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=False,
                                   pin_memory=pin, eval_steps=recipe.trainer.eval_steps)
 
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = run_dir / CHECKPOINTS
     checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_data)
     monitors = build_monitors(recipe, context(recipe, strategy, model, device, run_dir))
     clock = Clock(device, precise=any(type(m).precise_timing for m in recipe.monitors))
@@ -143,7 +144,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     progress, sinks = None, []
     if rank == 0:
         progress = Progress(recipe.trainer.max_steps, state.step, global_batch(recipe, dp_size), enabled=True)
-        sinks = [JsonlSink(run_dir / "metrics.jsonl")]
+        sinks = [JsonlSink(run_dir / METRICS)]
         if recipe.tracking.enabled:
             sinks.append(MlflowSink(run_dir))
         for sink in sinks:
@@ -195,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("usage: python -m trainkit.runtime.worker RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(args[0])
-    resolved = resolve(run_dir / "recipe.yaml")
+    resolved = resolve(run_dir / RECIPE)
     recipe = resolved.recipe
     # one decision for device and backend (the same function preflight and doctor use)
     accelerator = accelerator_for(recipe, cuda_available=torch.cuda.is_available(),

@@ -24,6 +24,8 @@ from typing import Any, Optional, Sequence
 
 from .. import __version__
 from ..recipe import flat
+from ..run_dir import (COMMAND, ENVIRONMENT, FAILURE, PROFILER, RECIPE, REPORTS, RESOLVED_RECIPE, VERDICT,
+                       report_path, summary_path)
 from . import credentials
 from .delivery import default_uri, deliver
 from .spool import Spool
@@ -161,7 +163,7 @@ def verdict_tags(run_dir: Path) -> dict[str, str]:
     """The bottleneck verdict, its top advice and the step-time breakdown as run tags
     (`trainkit.bottleneck`, `trainkit.advice.1`, `trainkit.step_ms`, ...), from reports/verdict.json:
     tags, unlike artifacts, can be filtered and sorted on in the MLflow UI and `search_runs`."""
-    path = run_dir / "reports" / "verdict.json"
+    path = report_path(run_dir, VERDICT)
     try:
         return {str(k): str(v) for k, v in json.loads(path.read_text()).get("tags", {}).items()}
     except (OSError, ValueError, AttributeError):
@@ -180,11 +182,11 @@ def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
     if not spool.records():
         return ""
     records = [{"op": "artifact", "path": str(p), "dir": d} for p, d in (
-        (run_dir / "recipe.yaml", None), (run_dir / "recipe.resolved.yaml", None),
-        (launch_dir / "command.txt", f"launches/{launch_dir.name}"),
-        (launch_dir / "environment.json", f"launches/{launch_dir.name}"), (run_dir / "summary.json", None),
-        (launch_dir / "failure.txt", f"launches/{launch_dir.name}"), (run_dir / "reports", "reports"),
-        (run_dir / "profiler", "profiler"),
+        (run_dir / RECIPE, None), (run_dir / RESOLVED_RECIPE, None),
+        (launch_dir / COMMAND, f"launches/{launch_dir.name}"),
+        (launch_dir / ENVIRONMENT, f"launches/{launch_dir.name}"), (summary_path(run_dir), None),
+        (launch_dir / FAILURE, f"launches/{launch_dir.name}"), (run_dir / REPORTS, "reports"),
+        (run_dir / PROFILER, "profiler"),
     ) if p.exists()]
     records += [{"op": "artifact", "path": str(p), "dir": d} for p, d in extra_artifacts if Path(p).exists()]
     tags = {**verdict_tags(run_dir), **(extra_tags or {}), "trainkit.status_reason": reason[:5000]}
@@ -257,7 +259,7 @@ def finalize_dead_launch(run_dir: Path, launch_dir: Optional[Path], finished: bo
     status = "FINISHED" if finished else "KILLED"
     reason = ("completed; " if finished else "") + DEAD_LAUNCH
     records = [{"op": "artifact", "path": str(p), "dir": d} for p, d in (
-        (run_dir / "summary.json", None), (run_dir / "reports", "reports"),
+        (summary_path(run_dir), None), (run_dir / REPORTS, "reports"),
     ) if finished and p.exists()]
     tags = {**(verdict_tags(run_dir) if finished else {}), "trainkit.status_reason": reason}
     if launch_dir is not None:

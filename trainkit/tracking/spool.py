@@ -15,10 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from ..run_dir import TRACKING
+
 
 class Spool:
     def __init__(self, run_dir: Path):
-        self.folder = Path(run_dir) / "tracking"  # created by the first write, not by looking
+        self.folder = Path(run_dir) / TRACKING  # created by the first write, not by looking
         self.path = self.folder / "spool.jsonl"
         self.state_path = self.folder / "state.json"
 

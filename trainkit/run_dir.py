@@ -1,0 +1,175 @@
+"""The run directory: its layout, the names of its files and the readers/writers of its records.
+
+Every module that writes or reads a run's files (the worker, monitors, the launcher, tracking's
+artifact list, `report`, `top`, `tune`, `bench scaling`, bench/) names them through here, so a file is
+renamed or re-shaped in one place (`trainkit compare` reads MLflow, not run directories). Bottom layer, standard library only: the recipe layer, the launcher and `trainkit top` use it
+without importing torch. Where RUN_DIR is for a recipe (`<launch.run_dir>/<name>`) is a recipe fact:
+`trainkit.recipe.launch_plan.run_dir_for`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+# --------------------------------------------------------------------------- RUN_DIR/
+RECIPE = "recipe.yaml"  # the composed recipe the workers read; `${oc.env:...}` left for each worker
+RESOLVED_RECIPE = "recipe.resolved.yaml"  # the resolved recipe for people, secrets as ***
+METRICS = "metrics.jsonl"  # one JSON object per logged step (rank 0), appended by every launch
+SUMMARY = "summary.json"  # written by rank 0 at the end, after the final checkpoint
+FATAL = "fatal.json"  # a failure no restart can fix (NaN, full disk); cleared by each launch
+LOCK = "launch.lock"  # the live launch (launch/lock.py)
+CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/ folders (runtime/checkpoint_layout.py)
+LOGS = "logs"  # torchrun's --log-dir: <rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, error.json
+LAUNCHES = "launches"  # <timestamp>/: one folder per launch
+REPORTS = "reports"  # the bottleneck report and the evidence it reasons from
+LIVE = "live"  # what `trainkit top` reads while the run trains
+TRACKING = "tracking"  # the MLflow spool (tracking/spool.py)
+PROFILER = "profiler"  # the profiler monitor's traces
+TENSORBOARD = "tensorboard"  # the tensorboard monitor's default event folder
+MODEL = "model"  # the saved MLflow model (tracking.log_model)
+SLURM = "slurm"  # the sbatch script's job logs (`trainkit slurm`)
+
+# RUN_DIR/launches/<timestamp>/ (beside its own recipe.yaml and recipe.resolved.yaml)
+COMMAND = "command.txt"  # the trainkit and torchrun command lines
+ENVIRONMENT = "environment.json"  # the recorded environment (secret-looking values dropped)
+FAILURE = "failure.txt"  # why the launch failed, when it did
+
+# RUN_DIR/reports/ (and RUN_DIR/live/BREAKDOWN)
+BREAKDOWN = "breakdown.json"  # the evidence: per-rank step phases, env, wall times, GPU busy
+BOTTLENECK = "bottleneck.md"  # the bottleneck report for people
+VERDICT = "verdict.json"  # the verdict and advice as tags (tracking turns them into MLflow run tags)
+GPU = "gpu.json"  # the gpu monitor's utilisation over the run
+
+WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up: no
+#                   step statistics (metrics.jsonl's step_time_s, the report's medians) before step 3
+
+# (path in RUN_DIR, what it holds): docs/running.md shows this table (tests/test_run_dir.py)
+LAYOUT = (
+    (RECIPE, "the composed recipe the workers read (latest launch); `${oc.env:...}` references stay "
+             "unresolved: each worker resolves them from its environment"),
+    (RESOLVED_RECIPE, "the resolved recipe for people, secrets as `***` (docs/security.md)"),
+    (METRICS, "one JSON object per logged step (rank 0), appended by every launch"),
+    (SUMMARY, "final loss, samples/s, eval, checkpoint, per-rank parameter digests (written at the end)"),
+    (FATAL, "a failure no restart can fix (NaN, full disk): restarts stop; cleared by the next launch"),
+    (LOCK, "the launch that runs here now (removed when it ends)"),
+    (f"{CHECKPOINTS}/step-00000050/", "one checkpoint per saved step (see below)"),
+    (f"{LOGS}/<rdzv-id>_*/attempt_<n>/<local rank>/", "stdout.log, stderr.log, error.json (torchelastic)"),
+    (f"{LAUNCHES}/<timestamp>/", f"{RECIPE}, {RESOLVED_RECIPE}, {COMMAND} (trainkit + torchrun command), "
+                                 f"{ENVIRONMENT} (secret-looking variables keep their name, not their value), "
+                                 f"{FAILURE} (why it failed)"),
+    (f"{REPORTS}/", f"{BREAKDOWN} (the evidence), {BOTTLENECK} (the report), {VERDICT} (run tags), "
+                    f"{GPU} (gpu monitor), cuda-memory-rank<R>.pickle (memory monitor snapshots)"),
+    (f"{LIVE}/{BREAKDOWN}", "every rank's step phases of the last log interval, for `trainkit top`"),
+    (f"{TRACKING}/", "the MLflow spool: what is still to be delivered"),
+    (f"{PROFILER}/", "profiler monitor traces"),
+    (f"{TENSORBOARD}/", "tensorboard monitor events"),
+    (f"{MODEL}/", "the saved MLflow model (`tracking.log_model`)"),
+    (f"{SLURM}/", "the SLURM job's output (`trainkit slurm`)"),
+    ("metrics.rewound-<time>-<step>.jsonl", "metrics of steps a restart or resume redid, set aside"),
+    (f"{CHECKPOINTS}.before-<launch>/, {TRACKING}.before-<launch>/",
+     "set aside by a launch with `trainer.resume: never`"),
+)
+
+
+def write_json(path: Path, data: Any, indent: Optional[int] = 2) -> None:
+    """One JSON document per file, ending in a newline (the run directory's record format)."""
+    Path(path).write_text(json.dumps(data, indent=indent) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    """A JSON record; OSError if it is missing, ValueError if it is not JSON (cut short by a crash)."""
+    return json.loads(Path(path).read_text())
+
+
+# --------------------------------------------------------------------------- summary.json
+def summary_path(run_dir: Path) -> Path:
+    return Path(run_dir) / SUMMARY
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    write_json(summary_path(run_dir), summary)
+
+
+def read_summary(run_dir: Path) -> dict:
+    return read_json(summary_path(run_dir))
+
+
+def has_summary(run_dir: Path) -> bool:
+    """Rank 0 wrote the end-of-training summary (which launch wrote it: `launch.launcher.completed`)."""
+    return summary_path(run_dir).is_file()
+
+
+# --------------------------------------------------------------------------- metrics.jsonl
+def metrics_path(run_dir: Path) -> Path:
+    return Path(run_dir) / METRICS
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every logged step's record, in file order (a torn line raises ValueError)."""
+    return [json.loads(line) for line in metrics_path(run_dir).read_text().splitlines() if line.strip()]
+
+
+def last_metrics(run_dir: Path) -> dict:
+    """The newest log step's metrics (the last complete line of metrics.jsonl), {} when there is none;
+    reads only the file's tail, so a live view can call it every second."""
+    path = metrics_path(run_dir)
+    if not path.is_file():
+        return {}
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - 65536))
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}
+
+
+def rewound_metrics_path(metrics: Path, stamp: str, step: int) -> Path:
+    """Where the lines of steps after `step` go when training continues from `step`."""
+    return Path(metrics).with_name(f"metrics.rewound-{stamp}-{step}.jsonl")
+
+
+def measured_step_times(rows: list[dict]) -> list[float]:
+    """The logged mean step times after the warm-up steps (the loop logs none before them)."""
+    return [r["step_time_s"] for r in rows if r.get("step_time_s") and r.get("step", 0) > WARMUP_STEPS]
+
+
+# --------------------------------------------------------------------------- fatal.json
+def write_fatal(run_dir: Path, exc: BaseException) -> None:
+    """Mark a failure no restart can fix; raises OSError when even this does not fit on the disk."""
+    write_json(Path(run_dir) / FATAL, {"error": type(exc).__name__, "message": str(exc)}, indent=None)
+
+
+def read_fatal(run_dir: Path) -> Optional[dict]:
+    """{"error": exception class name, "message": ...} of the marked failure, or None."""
+    path = Path(run_dir) / FATAL
+    return read_json(path) if path.is_file() else None
+
+
+def clear_fatal(run_dir: Path) -> None:
+    (Path(run_dir) / FATAL).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- reports/
+def report_path(run_dir: Path, name: str) -> Path:
+    """RUN_DIR/reports/NAME (BREAKDOWN, BOTTLENECK, VERDICT, GPU, or a monitor's own file)."""
+    return Path(run_dir) / REPORTS / name
+
+
+def read_evidence(run_dir: Path) -> dict:
+    """reports/breakdown.json: what the bottleneck report of a finished run reasons from."""
+    return read_json(report_path(run_dir, BREAKDOWN))
+
+
+def live_breakdown_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LIVE / BREAKDOWN
+
+
+# --------------------------------------------------------------------------- launches/<timestamp>/
+def launches_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LAUNCHES
