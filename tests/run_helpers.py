@@ -68,9 +68,10 @@ def merged(preset: dict, sections: dict) -> dict:
     out = dict(preset)
     for key, value in sections.items():
         base = out.get(key)
-        same_plugin = isinstance(base, dict) and isinstance(value, dict) and value.get("name", base.get("name")) == \
-            base.get("name")
-        out[key] = {**base, **value} if same_plugin else value
+        if isinstance(base, dict) and isinstance(value, dict) and value.get("name") in (None, base.get("name")):
+            out[key] = {**base, **value}
+        else:
+            out[key] = value
     return out
 
 
