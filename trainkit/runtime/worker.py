@@ -7,12 +7,11 @@ the process group,
 builds every component from the recipe, runs the loop, and always leaves the group cleanly.
 
 This module is the composition root of one rank: it builds every collaborator and hands them to
-`Loop` at construction. Tests inject faults through TRAINKIT_TEST_HOOKS (see `_test_hooks`).
+`Loop` at construction.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import signal
@@ -73,16 +72,6 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def _test_hooks(model: torch.nn.Module, rank: int) -> list:
-    """TRAINKIT_TEST_HOOKS=module: the test suite's fault injection (tests/fault_injection.py) gets
-    the model and rank and returns step hooks. Set only by tests, from the environment, never from a
-    recipe."""
-    name = os.environ.get("TRAINKIT_TEST_HOOKS")
-    if not name:
-        return []
-    return list(importlib.import_module(name).install(model=model, rank=rank))
-
-
 def _process_start() -> float:
     """When this process started (time.time()): start-up is measured from here to the first step."""
     try:
@@ -128,7 +117,6 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     monitors = build_monitors(recipe, context(recipe, strategy, model, device, run_dir))
     clock = Clock(device, precise=any(type(m).precise_timing for m in recipe.monitors))
     forward_marks = ForwardMarks(model, clock) if any(type(m).needs_forward_time for m in recipe.monitors) else None
-    step_hooks = _test_hooks(model, rank)
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
@@ -154,7 +142,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                 precision=precision, task=task, train_loader=train_loader,
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
                 sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
-                step_hooks=step_hooks, last_checkpoint=source, process_start=_process_start())
+                last_checkpoint=source, process_start=_process_start())
     try:
         summary = loop.run()
     except (NonFiniteError, DiskFullError) as exc:
