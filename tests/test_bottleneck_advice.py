@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainkit.monitors.bottleneck import diagnose
+from trainkit.analysis.bottleneck import diagnose
 from trainkit.recipe import Recipe, resolve
 
 

@@ -20,7 +20,7 @@ LAYERS = [  # (module prefix, layer); the longest matching prefix wins
     ("trainkit", 1), ("trainkit.registry", 1), ("trainkit.models", 1), ("trainkit.run_dir", 1),
     ("trainkit.processes", 1),
     ("trainkit.recipe", 2), ("trainkit.cluster", 2),
-    ("trainkit.runtime", 3),
+    ("trainkit.runtime", 3), ("trainkit.analysis", 3),
     ("trainkit.strategies", 4), ("trainkit.monitors", 4), ("trainkit.tracking", 4), ("trainkit.tasks", 4),
     ("trainkit.runtime.worker", 5), ("trainkit.runtime.reports", 5), ("trainkit.doctor", 5),
     ("trainkit.launch", 6),

@@ -63,7 +63,7 @@ def test_metrics_readers(tmp_path):
 
 def test_one_warmup_definition():
     from trainkit.launch import tune
-    from trainkit.monitors import bottleneck
+    from trainkit.analysis import bottleneck
     from trainkit.runtime import stats
 
     assert tune.WARMUP_STEPS is stats.WARMUP_STEPS is bottleneck.WARMUP_STEPS is WARMUP_STEPS

@@ -59,7 +59,7 @@ from pathlib import Path
 import yaml
 
 from trainkit.launch import tune_knobs
-from trainkit.monitors.bottleneck import diagnose
+from trainkit.analysis.bottleneck import diagnose
 from trainkit.recipe import RecipeError, resolve
 from trainkit.recipe.plan import describe
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.monitors.bottleneck import diagnose
+from trainkit.analysis.bottleneck import diagnose
 from trainkit.monitors.gpu import Sampler
 from trainkit.monitors.throughput import peak_tflops
 from trainkit.recipe.blocks import PipelineOptions

@@ -750,7 +750,7 @@ def _sync_one(run_dir) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .monitors.bottleneck import diagnose
+    from .analysis.bottleneck import diagnose
     from .recipe import RecipeError, resolve
     from .run_dir import BREAKDOWN, RECIPE, RESOLVED_RECIPE, read_json, report_path
 
@@ -776,7 +776,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_top(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .monitors.top import NotARunDir, top
+    from .analysis.top import NotARunDir, top
 
     try:
         return top(Path(args.run_dir), interval=args.interval, once=args.once)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..monitors.bottleneck import Diagnosis, diagnose
+from ..analysis.bottleneck import Diagnosis, diagnose
 from ..processes import CLI
 from ..recipe.problems import did_you_mean
 from ..run_dir import (REPORTS, TRACKING, WARMUP_STEPS, measured_step_times, read_evidence, read_metrics,

@@ -1,1 +1,1 @@
-"""Monitor plugins: what a run measures about itself, and the bottleneck report built from it."""
+"""Monitor plugins: what a run measures about itself while it trains (`trainkit.analysis` reads it)."""

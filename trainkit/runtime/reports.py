@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..monitors.bottleneck import describe_env, diagnose
+from ..analysis.bottleneck import describe_env, diagnose
 from ..recipe.schema import Recipe
 from ..run_dir import BOTTLENECK, BREAKDOWN, GPU, REPORTS, VERDICT, read_json, summary_path, write_json
 
