@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from ..recipe import secrets
+from .quoting import comment_text
 
 API_VERSION = "kubeflow.org/v1"
 TRAINER_API_VERSION = "trainer.kubeflow.org/v1alpha1"
@@ -120,7 +121,7 @@ def _recipe_configmap(resolved, recipe_path: str, job: str, namespace: Optional[
     composed["launch"] = dict(composed.get("launch") or {}, **launch_update)
     if tracking:
         composed["tracking"] = tracking
-    text = (f"# Composed by trainkit k8s from {recipe_path}; ${{oc.env:...}} references are resolved in each "
+    text = (f"# Composed by trainkit k8s from {comment_text(recipe_path)}; ${{oc.env:...}} references are resolved in each "
             f"pod\n" + yaml.safe_dump(composed, sort_keys=False))
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{job}-recipe", namespace, job),
             "data": {Path(recipe_path).name: text}}

@@ -8,15 +8,22 @@ checkpoint. Logs go into the run directory.
 
 from __future__ import annotations
 
-import shlex
 from typing import Optional, Sequence
 
 from ..recipe.launch_plan import run_dir_for
 from ..run_dir import SLURM
+from .quoting import comment_text, shell_join, shell_word
 
 
 class SlurmError(Exception):
     """The request cannot make a working job (exit 2)."""
+
+
+def _directive_value(value: str, flag: str) -> str:
+    """A value for an `#SBATCH` line, which cannot be quoted: refused unless it is one plain word."""
+    if not value or any(not ch.isprintable() or ch.isspace() for ch in value):
+        raise SlurmError(f"{flag} {value!r}: an #SBATCH value must be one word without spaces or control characters")
+    return value
 
 
 def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, partition: Optional[str] = None,
@@ -46,21 +53,21 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
     if gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if partition:
-        lines.append(f"#SBATCH --partition={partition}")
+        lines.append(f"#SBATCH --partition={_directive_value(partition, '--partition')}")
     if time:
-        lines.append(f"#SBATCH --time={time}")
+        lines.append(f"#SBATCH --time={_directive_value(time, '--time')}")
     lines += ["#SBATCH --requeue",
               f"#SBATCH --output={recipe.name}-%j.out",  # the folder must exist at submission: the current one
               "#SBATCH --open-mode=append",
               "#",
-              f"# Written by `trainkit slurm {shlex.join([recipe_path, *overrides])}`. One task per node: trainkit's",
+              f"# Written by `trainkit slurm {comment_text(shell_join([recipe_path, *overrides]))}`. One task per node: trainkit's",
               "# launcher starts that node's workers; nnodes, node_rank and the c10d rendezvous (the first node of",
               "# the allocation) come from SLURM's variables (docs/clusters.md). --requeue + trainer.resume: auto",
               "# continue a preempted job from its newest checkpoint. The run directory must be on shared storage.",
               "set -euo pipefail",
-              f"mkdir -p {shlex.quote(str(logs))}",
+              f"mkdir -p {shell_word(str(logs))}",
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}",
-              f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output={shlex.quote(str(logs))}/%j.%t.log "
-              + shlex.join([*trainkit, "run", recipe_path, *overrides]),
+              f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output={shell_word(str(logs))}/%j.%t.log "
+              + shell_join([*trainkit, "run", recipe_path, *overrides]),
               ""]
     return "\n".join(lines)

@@ -10,6 +10,8 @@ builds those from ranks and steps; `trainkit export` takes its target on the com
 
 from __future__ import annotations
 
+import os
+from pathlib import PurePath
 from typing import Any, Iterator, Optional
 
 PATH_COMPONENT_FIELDS: tuple[tuple[str, ...], ...] = (
@@ -28,7 +30,44 @@ def problem(value: str) -> Optional[str]:
         return f"got {value!r}: it names a folder, so it cannot contain NUL or control characters"
     if not value.strip():
         return "it names a folder, so it cannot be empty"
+    if len(value.encode()) > MAX_COMPONENT_BYTES:
+        return (f"it names a folder, so it must be at most {MAX_COMPONENT_BYTES} bytes (got {len(value.encode())}; "
+                f"file systems allow 255 per name and trainkit adds suffixes)")
     return None
+
+
+MAX_COMPONENT_BYTES = 200
+WRITE_ROOTS_VAR = "TRAINKIT_WRITE_ROOTS"
+
+
+def written_path_problem(value: str, environ: Optional[dict] = None) -> Optional[str]:
+    """Why a path the run would *write* is not allowed, or None.
+
+    A recipe may make trainkit write only under the working directory it runs in (relative paths
+    without `..`) or under a folder the operator lists in TRAINKIT_WRITE_ROOTS (os.pathsep-separated,
+    absolute): a recipe from a pull request must not create files elsewhere on the machine."""
+    env = os.environ if environ is None else environ
+    path = PurePath(value)
+    if any(ord(c) < 32 for c in value):
+        return f"got {value!r}: a path trainkit writes cannot contain control characters"
+    if ".." in path.parts:
+        return f"got {value!r}: a path trainkit writes cannot contain '..' (it would leave the working directory)"
+    if path.is_absolute():
+        roots = [PurePath(r) for r in env.get(WRITE_ROOTS_VAR, "").split(os.pathsep) if r.strip()]
+        if not any(path.is_relative_to(r) for r in roots):
+            return (f"got {value!r}: trainkit writes absolute paths only under the folders listed in "
+                    f"{WRITE_ROOTS_VAR}; use a path relative to the working directory, or list its folder there")
+    return None
+
+
+def written_values(recipe: Any) -> Iterator[tuple[tuple, str]]:
+    """(recipe path, value) of every path the run would write, as the blocks declare them."""
+    yield from recipe.data.written_paths()
+    for i, monitor in enumerate(recipe.monitors):
+        for key in getattr(monitor, "written_path_fields", ()):
+            value = getattr(monitor, key, None)
+            if isinstance(value, str):
+                yield ("monitors", i, key), value
 
 
 def field_values(recipe: Any) -> Iterator[tuple[tuple[str, ...], str]]:

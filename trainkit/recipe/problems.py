@@ -70,6 +70,18 @@ def short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _workflow_data(text: str) -> str:
+    """A GitHub workflow command's message, escaped as GitHub documents (`%25`, `%0D`, `%0A`), so a
+    recipe key or file name holding a newline cannot start a command of its own (`::add-mask::`,
+    a forged `::warning`); `::` inside is shown as `:%3A` so it cannot read as a command separator."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A").replace("::", ":%3A")
+
+
+def _workflow_property(text: str) -> str:
+    """A workflow command's property value (file=...): data escaping plus `:` and `,`."""
+    return _workflow_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
 def format_problems(problems: Sequence[Problem], fmt: str = "text") -> str:
     if fmt == "json":
         return json.dumps([p.as_dict() for p in problems], indent=2)
@@ -78,12 +90,13 @@ def format_problems(problems: Sequence[Problem], fmt: str = "text") -> str:
         for p in problems:
             loc = p.location
             kind = "error" if p.severity == "error" else "warning"
-            msg = f"{p.path}: {p.message}" if p.path else p.message
+            msg = _workflow_data(f"{p.path}: {p.message}" if p.path else p.message)
+            file = _workflow_property(str(loc.file))
             if loc.override is None:
-                lines.append(f"::{kind} file={loc.file},line={loc.line},col={loc.col}::{msg}")
+                lines.append(f"::{kind} file={file},line={loc.line},col={loc.col}::{msg}")
             elif loc.file != COMMAND_LINE:
-                lines.append(f"::{kind} file={loc.file}::override '{loc.override}': {msg}")
+                lines.append(f"::{kind} file={file}::" + _workflow_data(f"override '{loc.override}': ") + msg)
             else:
-                lines.append(f"::{kind}::override '{loc.override}': {msg}")
+                lines.append(f"::{kind}::" + _workflow_data(f"override '{loc.override}': ") + msg)
         return "\n".join(lines)
     return "\n".join(str(p) for p in problems)

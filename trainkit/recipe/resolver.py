@@ -9,6 +9,7 @@ line and column (or override) that set the offending value.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import typing
@@ -23,7 +24,7 @@ from .. import registry
 from .problems import COMMAND_LINE, Location, Problem, RecipeError, did_you_mean, short
 from .schema import PLUGIN_FIELDS, Recipe, recipe_model
 from .yaml_source import KEY, Path_, dotted, load_yaml
-from . import aliases, imports, paths, rules, secrets
+from . import aliases, confinement, imports, paths, rules, secrets
 
 Positions = dict[Path_, Location]
 
@@ -127,8 +128,9 @@ def _drop_positions(positions: Positions, prefix: Path_) -> None:
         del positions[key]
 
 
-def _compose(path: Path, chain: list[Path], problems: list[Problem]) -> tuple[dict, Positions, list[str]]:
-    """Load `path` and everything its `defaults:` names, merged in order under it."""
+def _compose(path: Path, chain: list[Path], problems: list[Problem], root: Path) -> tuple[dict, Positions, list[str]]:
+    """Load `path` and everything its `defaults:` names, merged in order under it; every composed
+    file must lie inside `root` (confinement.py says why)."""
     try:
         data, positions = load_yaml(path)
     except RecipeError as err:
@@ -147,7 +149,16 @@ def _compose(path: Path, chain: list[Path], problems: list[Problem]) -> tuple[di
     merged_pos: Positions = {}
     for i, name in enumerate(defaults):
         where = locate(positions, ("defaults", i), str(path))
-        target = (path.parent / name).resolve()
+        try:
+            target = confinement.real_path(path.parent / name)
+        except confinement.UnreadablePath as exc:
+            problems.append(Problem(where, f"defaults[{i}]", f"{exc}; name a recipe file"))
+            continue
+        if confinement.outside(target, root):
+            problems.append(Problem(where, f"defaults[{i}]", (
+                f"{name} is outside the recipe's repository {root}: a recipe composes only files inside it "
+                f"(set {confinement.ROOT_VAR} to allow another folder)")))
+            continue
         if target in chain:
             cycle = " -> ".join(p.name for p in chain[chain.index(target):] + [target])
             problems.append(Problem(where, f"defaults[{i}]", f"composition cycle: {cycle}"))
@@ -158,7 +169,7 @@ def _compose(path: Path, chain: list[Path], problems: list[Problem]) -> tuple[di
             problems.append(Problem(where, f"defaults[{i}]", f"file not found: {name} (looked in {target.parent})"
                                     + did_you_mean(name, siblings)))
             continue
-        sub, sub_pos, sub_files = _compose(target, chain + [target], problems)
+        sub, sub_pos, sub_files = _compose(target, chain + [target], problems, root)
         merged = _merge(merged, merged_pos, sub, sub_pos)
         merged_pos.update(sub_pos)
         files += sub_files
@@ -484,7 +495,11 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
     path = Path(path)
     file = str(path)
     problems: list[Problem] = []
-    data, positions, files = _compose(path.resolve(), [path.resolve()], problems)
+    try:
+        top = confinement.real_path(path)
+    except confinement.UnreadablePath as exc:
+        raise RecipeError([Problem(Location(file), "", str(exc))]) from None
+    data, positions, files = _compose(top, [top], problems, confinement.recipe_root(top))
     # report locations relative to what the user typed, not the resolved absolute path
     relabel = _display_names(path)
     positions = {k: relabel(v) for k, v in positions.items()}
@@ -524,8 +539,42 @@ def resolve(path: str | Path, overrides: Sequence[str] = ()) -> Resolved:
             problems.append(Problem(locate(positions, rule_path, file), dotted(rule_path), message))
         problems += _secret_path_components(recipe, hidden, positions, file)
     if problems:
-        raise RecipeError(_redacted(_dedupe(problems), hidden))
+        raise RecipeError(_redacted(_dedupe(_without_interpolated_values(problems, raw, data)), hidden))
     return Resolved(recipe=recipe, data=data, positions=positions, files=files, raw=raw, secrets=hidden)
+
+
+def _interpolated_leaves(raw: Any, data: Any, path: Path_ = ()) -> list[tuple[str, Any]]:
+    """(expression, the value it produced) for every `${...}` value of the recipe."""
+    if isinstance(raw, str):
+        return [(raw, data)] if "${" in raw else []
+    if isinstance(raw, dict) and isinstance(data, dict):
+        return [leaf for k, v in raw.items() if k in data for leaf in _interpolated_leaves(v, data[k], path + (k,))]
+    if isinstance(raw, list) and isinstance(data, list):
+        return [leaf for v, d in zip(raw, data) for leaf in _interpolated_leaves(v, d, path)]
+    return []
+
+
+def _without_interpolated_values(problems: list[Problem], raw: dict, data: dict) -> list[Problem]:
+    """Messages say where an interpolated value came from, never what it is: an untrusted recipe's
+    `${...}` can pull a value from the environment or another key, and an error would otherwise print
+    it into a CI log. A value written literally in its expression (an env default) stays visible."""
+    masks: list[tuple[str, str]] = []
+    for expr, value in _interpolated_leaves(raw, data):
+        if isinstance(value, bool) or value is None or str(value) in expr:
+            continue
+        shown = {short(value), json.dumps(value, default=str), str(value)}
+        masks += [(text, f"<the value of {expr}>") for text in shown if len(text) >= 4]
+        masks += [(f"got {short(value)}", f"got <the value of {expr}>")]
+    if not masks:
+        return problems
+    masks.sort(key=lambda m: -len(m[0]))
+    out = []
+    for p in problems:
+        message = p.message
+        for text, replacement in masks:
+            message = message.replace(text, replacement)
+        out.append(Problem(p.location, p.path, message, p.severity))
+    return out
 
 
 def _secret_path_components(recipe: Recipe, hidden: frozenset[str], positions: Positions,

@@ -131,6 +131,14 @@ def path_components_stay_inside_the_run_dir(r: Recipe) -> Iterator[Finding]:
             yield path, why + " (the run must write only inside its run directory)"
 
 
+@rule
+def written_paths_stay_where_writing_is_allowed(r: Recipe) -> Iterator[Finding]:
+    for path, value in paths.written_values(r):
+        why = paths.written_path_problem(value)
+        if why:
+            yield path, why
+
+
 # ----------------------------------------------------------------------------- language models
 @rule
 def sequence_fits_the_model(r: Recipe) -> Iterator[Finding]:

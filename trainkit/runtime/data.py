@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .. import registry
+from ..recipe.pickle_check import SafeUnpickler, UnsafePickle
 from ..recipe.blocks import IMAGE_EXTENSIONS, Cifar10Data, DataOptions, ImageFolderData, SyntheticData, scan_imagefolder
 from .parent_watch import die_with_parent
 
@@ -123,8 +123,11 @@ class Cifar10Dataset(Dataset):
         names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
         images, labels = [], []
         for name in names:
-            with open(folder / name, "rb") as fh:
-                entry = pickle.load(fh, encoding="latin1")
+            with open(folder / name, "rb") as fh:  # data only: a pickle naming any code is refused
+                try:
+                    entry = SafeUnpickler(fh, encoding="latin1").load()
+                except UnsafePickle as exc:
+                    raise UnsafePickle(f"{folder / name}: {exc}") from None
             images.append(torch.as_tensor(entry["data"], dtype=torch.uint8))
             labels.extend(entry["labels"])
         self.images = torch.cat(images).reshape(-1, 3, 32, 32)

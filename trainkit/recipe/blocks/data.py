@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Iterator, Literal, Optional
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
+from ..pickle_check import unsafe_globals
 from .base import Block, Finding, PluginBlock, PreflightFinding
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -49,6 +50,10 @@ class DataOptions(PluginBlock):
 
     def preflight(self) -> Iterator[PreflightFinding]:
         """Checks of the files this dataset reads (run, plan, validate --deep): (path, message, severity)."""
+        return iter(())
+
+    def written_paths(self) -> Iterator[Finding]:
+        """(recipe path, value) of every file this dataset writes (confined by the rules: recipe/paths.py)."""
         return iter(())
 
     def fix_missing_folder(self, value: str, where: str) -> str:
@@ -153,6 +158,12 @@ class Cifar10Data(DataOptions):
         if missing:
             yield ("data", "root"), f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} (trainkit never " \
                 f"downloads; unpack cifar-10-python.tar.gz into {Path(self.root).expanduser()})", "error"
+            return
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            unsafe = unsafe_globals(folder / name)
+            if unsafe:
+                yield ("data", "root"), f"{folder / name} is not plain CIFAR-10 data: it names " \
+                    f"{', '.join(unsafe)}, which would run code when loaded (only NumPy arrays are accepted)", "error"
 
     def fix_layout(self, root: Path, where: str) -> str:
         return f"unpack cifar-10-python.tar.gz into {root}, or fix {where}"
@@ -181,6 +192,14 @@ class TextData(DataOptions):
         default=None, description="write a synthetic corpus and train its tokenizer when the files are missing")
 
     batches: ClassVar[str] = "tokens"
+
+    def written_paths(self) -> Iterator[Finding]:
+        if self.generate is None:  # read only
+            return
+        for key in ("files", "eval_files"):
+            for i, value in enumerate(getattr(self, key)):
+                yield ("data", key, i), value
+        yield ("data", "tokenizer"), self.tokenizer
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         if self.batches not in recipe.task.accepts:

@@ -10,6 +10,9 @@ from .base import PluginBlock
 
 
 class MonitorOptions(PluginBlock):
+    # fields holding a path the monitor writes (confined by the rules: recipe/paths.py)
+    written_path_fields: ClassVar[tuple[str, ...]] = ()
+
     # what the loop must measure for this monitor (off unless some enabled monitor asks)
     needs_forward_time: ClassVar[bool] = False
     needs_comm_time: ClassVar[bool] = False
@@ -97,5 +100,6 @@ class TensorBoardMonitorOptions(MonitorOptions):
     """Every logged scalar as TensorBoard events (RUN_DIR/tensorboard), beside MLflow."""
 
     component: ClassVar[str] = "trainkit.monitors.tensorboard:TensorBoardMonitor"
+    written_path_fields: ClassVar[tuple[str, ...]] = ("log_dir",)
     name: Literal["tensorboard"]
     log_dir: Optional[str] = Field(default=None, description="event folder (default: RUN_DIR/tensorboard)")

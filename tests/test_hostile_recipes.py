@@ -1,0 +1,164 @@
+"""Recipes from a pull request stay data (issue 25, security cases): composed files stay inside the
+recipe's repository, errors never echo a value pulled in by interpolation, generated job files and CI
+annotations cannot be broken out of, a data folder cannot run code, and a recipe cannot make a run
+write outside the working directory. Each case goes through real `python -m trainkit.cli`
+subprocesses (or the real loader) and reads back what was printed, written or created."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+
+from run_helpers import trainkit
+
+SECRET = "RSAPRIVATEdeadbeef0c0ffee"  # the value of a YAML file above the repository
+ENV_VALUE = "plain-looking-Value-7731"  # an environment variable whose name does not look secret
+VALID = {"name": "hostile", "model": {"name": "mlp"}, "data": {"name": "synthetic", "batch_size": 2},
+         "strategy": {"name": "ddp"}, "trainer": {"max_steps": 1}, "launch": {"nproc_per_node": 1}}
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A workspace with a credentials file next to a git repository holding the recipes."""
+    (tmp_path / ".credentials_rsaparams").write_text(f"d: {SECRET}\n")
+    root = tmp_path / "repo"
+    (root / "ci").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(root)], check=True, timeout=30)
+    return root
+
+
+def write(path, data) -> str:
+    path.write_text(yaml.safe_dump(data) if isinstance(data, dict) else data)
+    return str(path)
+
+
+COMMANDS = [("validate",), ("validate", "--format", "json"), ("validate", "--format", "github"), ("plan",),
+            ("doctor",), ("k8s", "--image", "trainer:1"), ("slurm",)]
+
+
+def test_defaults_outside_the_repository_are_refused_and_nothing_of_the_file_is_printed(repo):
+    recipe = write(repo / "ci" / "r.yaml", {"defaults": ["../../.credentials_rsaparams"], **VALID,
+                                            "precision": "${d}"})
+    (repo / "ci" / "link.yaml").symlink_to(repo.parent / ".credentials_rsaparams")  # a link out of the repo
+    linked = write(repo / "ci" / "linked.yaml", {"defaults": ["link.yaml"], **VALID, "precision": "${d}"})
+    for path in (recipe, linked):
+        for command in COMMANDS:
+            r = trainkit(repo, *command, path)
+            assert r.returncode == 2, (command, r.output)
+            assert SECRET not in r.output and "RSAPRIVATE" not in r.output, (command, r.output)
+            assert "outside the recipe's repository" in r.output, (command, r.output)
+            assert "Traceback" not in r.output
+
+
+def test_an_interpolated_value_is_never_echoed_in_an_error(repo):
+    """The operator may widen the root; an error about `${d}` or an environment value still says
+    where the value came from, not what it is."""
+    recipe = write(repo / "ci" / "r.yaml", {"defaults": ["../../.credentials_rsaparams"], **VALID,
+                                            "precision": "${d}",
+                                            "optimizer": {"name": "${oc.env:TRAINKIT_TEST_OPTIMIZER}", "lr": 0.1}})
+    for command in COMMANDS[:4]:
+        r = trainkit(repo, *command, recipe, TRAINKIT_RECIPE_ROOT=str(repo.parent),
+                     TRAINKIT_TEST_OPTIMIZER=ENV_VALUE)
+        assert r.returncode == 2, r.output
+        assert SECRET not in r.output and ENV_VALUE not in r.output, (command, r.output)
+        assert "${d}" in r.output and "${oc.env:TRAINKIT_TEST_OPTIMIZER}" in r.output, (command, r.output)
+
+
+def test_a_symlink_loop_in_defaults_is_a_positioned_error(repo):
+    (repo / "ci" / "a.yaml").symlink_to("b.yaml")
+    (repo / "ci" / "b.yaml").symlink_to("a.yaml")
+    recipe = write(repo / "ci" / "r.yaml", {"defaults": ["a.yaml"], **VALID})
+    for command in (("validate",), ("plan",), ("k8s", "--image", "trainer:1"), ("slurm",), ("doctor",)):
+        r = trainkit(repo, *command, recipe)
+        assert r.returncode == 2 and "Traceback" not in r.output, (command, r.output)
+        assert re.search(r"r\.yaml:\d+:\d+: defaults\[0\]", r.output) and "symlink loop" in r.output, (command, r.output)
+
+
+def test_a_file_name_with_a_newline_cannot_add_a_line_to_the_sbatch_script(repo):
+    name = "x\ntouch PWNED\n.yaml"
+    write(repo / name, VALID)
+    r = trainkit(repo, "slurm", name, "--partition", "cpu")
+    assert r.returncode == 0, r.output
+    lines = r.stdout.splitlines()
+    assert "touch PWNED" not in [line.strip() for line in lines], r.stdout
+    script = repo / "job.sh"
+    script.write_text(r.stdout.replace("srun ", ": srun ", 1))  # run everything but the job step itself
+    done = subprocess.run(["bash", str(script)], cwd=repo, capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, SLURM_CPUS_PER_TASK="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (repo / "PWNED").exists()
+    bad = trainkit(repo, "slurm", name, "--partition", "cpu\ntouch PWNED")
+    assert bad.returncode == 2 and "#SBATCH value" in bad.output
+
+
+def test_github_annotations_cannot_be_forged_by_a_key_or_file_name(repo):
+    forged = "zz\n::warning file=README.md,line=1::LGTM"
+    recipe = write(repo / "ci" / "r.yaml", json.dumps({**VALID, forged: 1, "also\n::add-mask::x": 2}))
+    r = trainkit(repo, "validate", "--format", "github", recipe)
+    assert r.returncode == 2
+    annotations = [line for line in r.stdout.splitlines() if line.startswith("::")]
+    assert len(annotations) == 2 and all(line.startswith("::error file=") for line in annotations), r.stdout
+    assert all(line.count("::") == 2 for line in annotations), r.stdout  # one command each, nothing appended
+    assert "%0A" in r.stdout
+
+
+class _Runs:
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.mark}",))
+
+
+def test_a_cifar10_folder_that_would_run_code_is_refused_before_and_at_load(repo, tmp_path):
+    folder = repo / "evil" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    mark = tmp_path / "PWNED"
+    for i, name in enumerate([f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]):
+        data = np.zeros((4, 3072), np.uint8)
+        entry = {"data": data, "labels": [0, 1, 2, 3], "batch_label": name}
+        if i == 2:
+            entry["extra"] = _Runs(mark)
+        with open(folder / name, "wb") as fh:
+            pickle.dump(entry, fh, protocol=2)
+    recipe = write(repo / "cifar.yaml", {**VALID, "data": {"name": "cifar10", "root": "evil", "batch_size": 2},
+                                         "model": {"name": "mlp", "args": {"in_features": 3072}}})
+    for command in (("validate", "--deep"), ("plan",), ("run",)):
+        r = trainkit(repo, *command, recipe)
+        assert r.returncode == 2, (command, r.output)
+        assert "data_batch_3" in r.output and "system" in r.output and "would run code" in r.output, r.output
+    assert not mark.exists()
+
+    from trainkit.recipe.pickle_check import UnsafePickle
+    from trainkit.runtime.data import Cifar10Dataset
+
+    with pytest.raises(UnsafePickle, match="data_batch_3"):
+        Cifar10Dataset(folder, train=True)  # the loader itself refuses, whatever ran before it
+    assert not mark.exists()
+    (folder / "data_batch_3").write_bytes(pickle.dumps({"data": np.zeros((4, 3072), np.uint8),
+                                                        "labels": [0, 1, 2, 3]}, protocol=2))
+    assert len(Cifar10Dataset(folder, train=True)) == 20  # plain NumPy batches still load
+
+
+@pytest.mark.parametrize("section", [
+    {"monitors": [{"name": "tensorboard", "log_dir": "../../../escape-tb"}]},
+    {"monitors": [{"name": "tensorboard", "log_dir": "/tmp/escape-tb"}]},
+    {"data": {"name": "text", "files": ["../../../escape-corpus/train.txt"], "tokenizer": "tok.json",
+              "seq_len": 8, "batch_size": 2, "generate": {}}, "task": {"name": "causal_lm"}},
+    {"data": {"name": "text", "files": ["corpus/train.txt"], "tokenizer": "../escape-corpus/tok.json",
+              "seq_len": 8, "batch_size": 2, "generate": {}}, "task": {"name": "causal_lm"}},
+    {"launch": {"nproc_per_node": 1, "rdzv_id": "r" * 300}},
+])
+def test_a_recipe_cannot_make_the_run_write_outside_the_working_directory(repo, section):
+    recipe = write(repo / "r.yaml", {**VALID, **section})
+    r = trainkit(repo, "validate", recipe)
+    assert r.returncode == 2, r.output
+    assert "Traceback" not in r.output
+    assert not list(repo.parent.glob("escape*")) and not os.path.exists("/tmp/escape-tb")
