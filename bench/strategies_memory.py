@@ -290,7 +290,7 @@ def main() -> int:
                     "forward+backward and in the optimizer step (/proc/self/clear_refs), printed per rank")
     ap.add_argument("--host-allocator", choices=["auto", "retain", "release", "system"], default="auto",
                     help="performance.host_allocator of every recipe (default auto, as in a trainkit run: each "
-                         "strategy's host_allocator_on_cpu)")
+                         "strategy's capabilities().host_memory_on_cpu)")
     args = ap.parse_args()
     if args.phases and not args.worker:
         os.environ["TRAINKIT_BENCH_PHASES"] = "1"

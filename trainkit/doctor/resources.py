@@ -23,13 +23,8 @@ OPTIMIZER_STATE = {"sgd": 1, "adam": 2, "adamw": 2}  # fp32 tensors per paramete
 # --------------------------------------------------------------------------- shared memory
 def sample_bytes(data) -> Optional[int]:
     """Bytes of one collated float32 sample plus its int64 label, from the data block's shape."""
-    if getattr(data, "shape", None):
-        return math.prod(data.shape) * 4 + 8
-    if getattr(data, "image_size", None):
-        return 3 * data.image_size ** 2 * 4 + 8
-    if data.name == "cifar10":
-        return 3 * 32 * 32 * 4 + 8
-    return None
+    shape = data.sample_shape() or getattr(data, "shape", None)  # a plugin's own `shape` field counts too
+    return math.prod(shape) * 4 + 8 if shape else None
 
 
 def shm(resolved) -> Check:

@@ -69,7 +69,7 @@ class WallTimes:
 
 def global_batch(recipe: Recipe, data_parallel_size: int) -> int:
     """Samples per optimizer step over all data-parallel ranks (pipeline stages share one batch)."""
-    return recipe.data.batch_size * data_parallel_size * recipe.trainer.grad_accum_steps
+    return recipe.global_batch_at(data_parallel_size)
 
 
 def restore_trainer_state(saved: dict, scheduler, precision: Precision) -> TrainState:
