@@ -13,7 +13,8 @@ faults never leak into another's run.
   on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so tests can check that torchrun
   restarts and that resume loses nothing.
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
-- TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step.
+- TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step
+  (",where=input": its input is +inf instead, so a BatchNorm sees it).
 - TRAINKIT_FAULT_RECORD_SAMPLES=DIR: every rank records a hash of each training sample it sees.
 - TRAINKIT_FAULT_COUNT_COLLECTIVES=DIR: count gradient reductions (DDP: comm-hook calls, through a
   counting all-reduce hook; FSDP2: `dist.reduce_scatter_single` calls) and append one line per
@@ -293,7 +294,8 @@ def install_collective_count(*, model, rank: int) -> list:
 
 
 def install_nan(*, model, rank: int) -> list:
-    """TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that optimizer step."""
+    """TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that optimizer step;
+    with ",where=input" its *input* is +inf instead (a BatchNorm then sees an infinite value)."""
     spec = os.environ.get("TRAINKIT_FAULT_NAN")
     if not spec or int(_fields(spec).get("rank", -1)) != rank:
         return []
@@ -304,7 +306,15 @@ def install_nan(*, model, rank: int) -> list:
             return output * float("nan")
         return output
 
-    model.register_forward_hook(poison)
+    def infinite_input(module, args):
+        if module.training and current[0] == at:
+            return (args[0].new_full(args[0].shape, float("inf")), *args[1:])
+        return None
+
+    if _fields(spec).get("where") == "input":
+        model.register_forward_pre_hook(infinite_input)
+    else:
+        model.register_forward_hook(poison)
 
     def advance(step: int) -> None:
         current[0] = step + 1

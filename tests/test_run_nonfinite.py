@@ -73,3 +73,32 @@ def test_skip_step_discards_the_bad_step_and_finishes(tmp_path):
     assert [r["skipped_steps"] for r in rows if r["step"] == 3] == [0]
     final = step_folders(tmp_path / "runs" / "skipper" / "checkpoints")[0]
     assert final.name == "step-00000010" and _finite_checkpoint_weights(final)
+
+
+def test_skip_step_keeps_no_poisoned_batchnorm_statistics(tmp_path):
+    """Guards skip_step on a CNN with BatchNorm (issue 25, case 9): one infinite input at step 4 puts inf
+    into the running statistics during the forward, before the step is found non-finite. The skipped
+    step must restore them: every checkpoint's buffers are finite, the step-4 statistics equal the
+    step-3 ones, and the run's evaluation is finite."""
+    recipe = mlp_recipe(tmp_path, "bn-skip", model={"name": "torchvision.resnet18", "args": {"num_classes": 4}},
+                        data={"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "batch_size": 4,
+                              "num_samples": 64},
+                        trainer={"max_steps": 8, "log_every": 1, "on_nonfinite": "skip_step",
+                                 "eval_every": 8, "eval_steps": 2, "checkpoint": {"every": 1, "keep": 10}},
+                        launch={"nproc_per_node": 1})
+    result = trainkit(tmp_path, "run", str(recipe), TRAINKIT_FAULT_NAN="rank=0,step=4,where=input")
+    assert result.returncode == 0, result.output
+    assert "step 4: non-finite loss or gradient; optimizer step skipped" in result.output
+    folders = {int(f.name[5:]): f for f in step_folders(tmp_path / "runs" / "bn-skip" / "checkpoints")}
+    assert sorted(folders) == list(range(1, 9)), sorted(folders)
+    states = {step: torch.load(f / "model.pt", map_location="cpu", weights_only=True) for step, f in folders.items()}
+    for step, state in states.items():
+        bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        assert not bad, (step, bad[:5])
+    running = [k for k in states[3] if k.endswith("running_mean")]
+    assert running and all(torch.equal(states[3][k], states[4][k]) for k in running)  # step 4 left no trace
+    assert not all(torch.equal(states[4][k], states[5][k]) for k in running)  # later steps still update them
+    import json
+
+    summary = json.loads((tmp_path / "runs" / "bn-skip" / "summary.json").read_text())
+    assert all(v == v and abs(v) != float("inf") for v in summary["eval"].values()), summary["eval"]

@@ -8,6 +8,7 @@ branch on any of them and imports none of their implementations.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from ..recipe.schema import Recipe
-from .nonfinite import NonFiniteError, NonFiniteGuard
+from .nonfinite import NonFiniteError, NonFiniteGuard, restore_buffers, snapshot_buffers
 from .protocols import Checkpointer, MetricSink, MonitorHooks, NoMonitors, Precision, Progress, Strategy, Task
 from .stats import RunStats
 from .timing import Clock, ForwardMarks, StepTimes
@@ -158,6 +159,9 @@ class Loop:
         compute = clock.phase()  # device phases stay marks until a log interval resolves them: no sync here
         marks = self.forward_marks
         forward = clock.phase() if marks is not None else None
+        # skip_step must be able to undo the forward's side effects: BatchNorm running statistics of a
+        # discarded step would otherwise keep its inf/NaN and reach every later checkpoint
+        buffers_before = snapshot_buffers(self.model) if self.recipe.trainer.on_nonfinite == "skip_step" else []
         for micro in range(accum):
             t0 = time.perf_counter()
             x, y = self._to_device(next(data))
@@ -175,8 +179,9 @@ class Loop:
         self.skipped = False
         if self.recipe.trainer.on_nonfinite == "skip_step" and not self.guard.step_is_finite(
                 self.strategy, total, self.model.parameters(), device=self.device,
-                check_grads=self.precision.scaler is None):  # a loss scaler skips inf grads itself
+                check_grads=self.precision.scaler is None, buffers=self.model.buffers()):
             self.optimizer.zero_grad(set_to_none=True)  # discard the step: no update
+            restore_buffers(buffers_before)  # ... and none of what its forward did (BatchNorm statistics)
             grad_norm, self.skipped = None, True
         else:
             grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
@@ -230,8 +235,10 @@ class Loop:
         bad = self.guard.first_bad(self.strategy)
         what = f"non-finite {bad[1]} at step {bad[0]}" if bad else None
         if what is None and weights and not self.guard.weights_finite(
-                self.strategy, self.strategy.local_tensors(self.model), self.device):
-            what = f"non-finite weights at step {step} (an inf/NaN gradient reached the optimizer)"
+                self.strategy, itertools.chain(self.strategy.local_tensors(self.model), self.model.buffers()),
+                self.device):
+            what = (f"non-finite weights or buffers at step {step} (an inf/NaN gradient reached the optimizer, or "
+                    f"a BatchNorm saw an inf/NaN input)")
         if what:
             raise NonFiniteError(f"{what}; stopped at step {step} without writing a checkpoint; "
                                  f"{self._last_good()}. Lower optimizer.lr, set trainer.grad_clip, or "

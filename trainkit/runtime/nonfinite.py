@@ -7,7 +7,9 @@ checkpoint the weights themselves are checked too (an inf gradient with a finite
 weights one step before the loss shows it).
 
 `skip_step` mode must decide before the optimizer step, so it syncs once per step (one all-reduce
-of one flag): that is its documented cost.
+of one flag): that is its documented cost. A skipped step also restores the buffers its forward
+changed (BatchNorm running statistics), and both modes check buffers as well as weights before a
+checkpoint: a BatchNorm that saw one inf input would otherwise carry it into every later checkpoint.
 """
 
 from __future__ import annotations
@@ -60,10 +62,14 @@ class NonFiniteGuard:
 
     @staticmethod
     def step_is_finite(strategy, loss: torch.Tensor, parameters: Iterable[torch.Tensor], check_grads: bool,
-                       device: torch.device) -> bool:
-        """skip_step: whether this step's loss (and, unless a loss scaler owns that, its gradients) are
-        finite on every rank. One all-reduce and one device sync."""
+                       device: torch.device, buffers: Iterable[torch.Tensor] = ()) -> bool:
+        """skip_step: whether this step's loss, the buffers its forward updated (BatchNorm statistics)
+        and, unless a loss scaler owns that, its gradients are finite on every rank. One all-reduce and
+        one device sync."""
         bad = (~torch.isfinite(loss.detach())).any().to(dtype=torch.int64, device=device)
+        for b in buffers:
+            if b.is_floating_point() and b.numel():
+                bad = bad | (~torch.isfinite(b)).any().to(dtype=torch.int64, device=device)
         if check_grads:
             for p in parameters:
                 g = p.grad
@@ -71,3 +77,16 @@ class NonFiniteGuard:
                     local = g.to_local() if hasattr(g, "to_local") else g
                     bad = bad | (~torch.isfinite(local)).any().to(dtype=torch.int64, device=device)
         return int(_max_over_ranks(strategy, bad).item()) == 0
+
+
+def snapshot_buffers(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, a copy) for every buffer of the model: what a skipped step restores. BatchNorm's
+    running statistics and counters are a few kilobytes per layer, copied on the device."""
+    with torch.no_grad():
+        return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, copy in saved:
+            buffer.copy_(copy)
