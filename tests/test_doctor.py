@@ -152,3 +152,32 @@ def test_nccl_interface_patterns_prefix_exact_and_exclude():
     assert _nccl_matches("eth", names) == ["eth0", "eth1"]
     assert _nccl_matches("=eth", names) == []
     assert _nccl_matches("^eth,lo", names) == ["ib0"]
+
+
+def test_a_multi_node_launch_refuses_an_endpoint_a_foreign_process_holds(tmp_path):
+    """Issue 25, case 11: with several nodes a busy local endpoint may be this job's own store, so it
+    was only a warning, and two agents then waited >= 60 s without a word. A holder that is no
+    torchrun/trainkit process can never be: refused at once, naming it."""
+    import subprocess
+    import sys
+    import time
+
+    listener = subprocess.Popen([sys.executable, "-c", "import socket, time; s = socket.socket(); "
+                                 "s.bind(('0.0.0.0', 0)); s.listen(); print(s.getsockname()[1], flush=True); "
+                                 "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(listener.stdout.readline())
+        recipe = mlp_recipe(tmp_path, "busy2", launch={"nproc_per_node": 1, "nnodes": 2, "node_rank": 0,
+                                                       "rdzv_endpoint": f"127.0.0.1:{port}",
+                                                       "run_dir": str(tmp_path / "runs")})
+        started = time.monotonic()
+        result = trainkit(tmp_path, "run", recipe.name)
+        took = time.monotonic() - started
+    finally:
+        listener.kill()
+        listener.wait()
+    assert result.returncode == 2, result.output
+    assert f"port {port} on 127.0.0.1 is in use by pid {listener.pid}" in result.stderr, result.stderr
+    assert "not a torchrun or trainkit process" in result.stderr
+    assert took < 45, took  # refused before any rendezvous wait
+    assert not (tmp_path / "runs").exists()

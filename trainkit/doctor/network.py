@@ -74,20 +74,42 @@ def port_in_use(port: int, family: int = socket.AF_INET) -> Optional[str]:
     return None
 
 
-def _holder(port: int) -> str:
-    """Which process listens on `port`, when the OS tells us (own processes, or as root)."""
+def _listener(port: int) -> Optional[tuple[int, list[str]]]:
+    """(pid, command line) of the process listening on `port`, when the OS tells us (own processes,
+    or as root); command line [] when it cannot be read."""
     import psutil
 
     try:
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
                 try:
-                    return f" by pid {conn.pid} ({' '.join(psutil.Process(conn.pid).cmdline()[:3])[:60]})"
+                    return conn.pid, psutil.Process(conn.pid).cmdline()
                 except psutil.Error:
-                    return f" by pid {conn.pid}"
+                    return conn.pid, []
     except psutil.Error:
         pass
-    return ""
+    return None
+
+
+def _holder(port: int) -> str:
+    """Which process listens on `port`, in words ('' when unknown)."""
+    found = _listener(port)
+    if found is None:
+        return ""
+    pid, cmdline = found
+    return f" by pid {pid} ({' '.join(cmdline[:3])[:60]})" if cmdline else f" by pid {pid}"
+
+
+# the programs or modules another node of the same job runs as (torchrun's agent, trainkit's launcher)
+_JOB_PROGRAMS = frozenset({"torchrun", "trainkit", "torch.distributed.run", "trainkit.cli"})
+
+
+def _foreign_listener(port: int) -> bool:
+    """Whether a known process that cannot be a node of a trainkit/torchrun job holds `port`."""
+    found = _listener(port)
+    if found is None or not found[1]:
+        return False  # unknown: it may be this job's store
+    return not any(os.path.basename(part) in _JOB_PROGRAMS for part in found[1][:4])
 
 
 def free_port() -> int:
@@ -125,8 +147,11 @@ def master_port(resolved) -> Check:
     spare = free_port()
     change = f"export MASTER_PORT={spare}" if resolved is None else f"{ep.setting.split(' (')[0]}={ep.host}:{spare}"
     fix = f"stop the process holding port {ep.port}, or pick a free port: {change}"
-    if ep.shared:
+    if ep.shared and not _foreign_listener(ep.port):
         return warned(name, detail + "; fine only if another node of this job runs on this host and serves it", fix)
+    if ep.shared:  # several nodes, but the holder is no torchrun/trainkit process: the rendezvous would wait forever
+        return failed(name, detail + "; it is not a torchrun or trainkit process, so no node of this job serves "
+                                     "it and the rendezvous would wait without an end", fix)
     return failed(name, detail, fix)
 
 
