@@ -11,6 +11,8 @@ import os
 import pickle
 import re
 import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -162,3 +164,40 @@ def test_a_recipe_cannot_make_the_run_write_outside_the_working_directory(repo, 
     assert r.returncode == 2, r.output
     assert "Traceback" not in r.output
     assert not list(repo.parent.glob("escape*")) and not os.path.exists("/tmp/escape-tb")
+
+
+def test_a_single_process_run_listens_on_no_port(tmp_path):
+    """Issue 25, case 5: the in-process worker of a world-size-1 run served torch's TCPStore on every
+    interface. It needs no rendezvous: while it trains, no process of the run listens on anything but
+    loopback (gloo's own pair socket binds the loopback address it resolves)."""
+    import psutil
+
+    from run_helpers import env_for, mlp_recipe
+
+    recipe = mlp_recipe(tmp_path, "alone", trainer={"max_steps": 40, "log_every": 10},
+                        launch={"nproc_per_node": 1})
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
+                            env=env_for(tmp_path, TRAINKIT_FAULT_DELAY="rank=0,ms=100"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, trained = set(), False
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                for p in tree:
+                    seen |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                             if c.status == psutil.CONN_LISTEN}
+            except psutil.Error:
+                pass
+            trained = trained or (tmp_path / "runs" / "alone" / "metrics.jsonl").exists()
+            time.sleep(0.2)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 0, out
+    assert trained, "the run finished before it could be observed"
+    import ipaddress
+
+    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in seen), seen
