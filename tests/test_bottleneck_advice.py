@@ -117,10 +117,21 @@ def test_no_ddp_advice_for_other_strategies_a_single_rank_or_overlapped_communic
 
 # --------------------------------------------------------------------------- data
 def test_data_advice_states_mechanism_and_share():
-    d = diagnose(ranks(data_wait=0.050), recipe(), env={"device": "cpu", "backend": "gloo"})
+    d = diagnose(ranks(data_wait=0.050), recipe(data={"sleep_ms": 1.0}), env={"device": "cpu", "backend": "gloo"})
     assert d.kind == "data-bound"
     text = one(d, "set data.num_workers: ")
-    assert "(now 0)" in text and "stall it 50.0 ms per step (50%)" in text and "saving up to that 50%" in text
+    assert "(now 0)" in text and "saving up to that 50%" in text
+    # the mechanism is the dataset's own loading work (DataOptions.loading_work), never a guess from its name
+    assert "the loader's work (the planted per-sample delay, data.sleep_ms) runs inside the training process and " \
+           "stalls it 50.0 ms per step (50%)" in text
+
+
+def test_an_in_memory_dataset_is_not_told_it_decodes():
+    """Synthetic samples are generated in memory: the wait is batch building, not decoding or augmentation."""
+    d = diagnose(ranks(data_wait=0.050), recipe(), env={"device": "cpu", "backend": "gloo"})
+    text = one(d, "set data.num_workers: 1 (now 0)")
+    assert "the samples are in memory (nothing to read or decode)" in text and "building batches" in text
+    assert "augmentation" not in text and "loader's work" not in text
     some = diagnose(ranks(data_wait=0.050), recipe(data={"num_workers": 1}), env={"device": "cpu"})
     assert "each worker keeps 4 batches ready instead of 2" in one(some, "raise data.prefetch_factor from 2 to 4")
     assert "started again at every epoch boundary" in one(some, "set data.persistent_workers: true")
@@ -131,6 +142,50 @@ def test_pin_memory_advice_only_on_cuda():
     assert "page-locked host memory" in one(gpu, "set data.pin_memory: true")
     none(diagnose(ranks(data_wait=0.050), recipe(), env={"device": "cpu", "backend": "gloo"}), "pin_memory")
     none(diagnose(ranks(data_wait=0.050), recipe(data={"pin_memory": True}), env={"device": "cuda"}), "pin_memory")
+
+
+# --------------------------------------------------------------------------- advice as data
+def test_advice_carries_its_recipe_changes_mechanism_saving_and_evidence():
+    d = diagnose(ranks(data_wait=0.010, **COMM), recipe(), env={"device": "cuda", "backend": "nccl"})
+    changes = {key: a.changes[key] for key, a in d.changes().items()}
+    assert changes == {"data.num_workers": 1, "data.pin_memory": True, "strategy.comm_hook": "bf16_compress",
+                       "trainer.grad_accum_steps": 4, "strategy.static_graph": True}
+    accum = d.changes()["trainer.grad_accum_steps"]
+    assert accum.changes == {"trainer.grad_accum_steps": 4, "optimizer.lr": 0.4}  # the lr follows the batch
+    assert accum.was == {"trainer.grad_accum_steps": 1, "optimizer.lr": 0.1} and accum.phase == "communication"
+    assert accum.evidence == {"comm_exposed_ms": pytest.approx(40.0), "comm_exposed_share": pytest.approx(0.4)}
+    assert accum.saving == pytest.approx(0.4 * 0.75 * 0.5)
+    assert accum.text == f"raise trainer.grad_accum_steps from 1 to 4: {accum.mechanism}"  # rendered from fields
+    hook = d.changes()["strategy.comm_hook"]
+    assert hook.text == f"set strategy.comm_hook: bf16_compress: {hook.mechanism}"
+    verdict = d.summary()
+    assert verdict["advice"] == [a.text for a in d.ranked()]
+    assert verdict["advice_data"][0]["changes"] == d.ranked()[0].changes
+
+
+def test_advice_without_a_recipe_change_says_what_to_do():
+    slow = ranks()
+    slow[3] = {**slow[3], "data_wait": 0.030}
+    d = diagnose(slow, recipe(), env={"backend": "gloo"})
+    assert d.kind == "straggler-bound"
+    advice = next(a for a in d.advice if a.phase == "straggler")
+    assert advice.changes == {} and advice.key is None and "rank 3" not in d.changes()
+    assert advice.text.startswith("investigate rank 3 on host node-a: its data loading + forward take")
+
+
+# --------------------------------------------------------------------------- the headline agrees with the advice
+def test_a_compute_bound_headline_names_the_phase_its_advice_targets():
+    """Seen: "compute-bound: 99% of the step" followed only by communication advice. 20% of the step
+    waits for exposed communication: compute is 78%, and the headline says where the advice points."""
+    d = diagnose(ranks(comm=0.040, exposed=0.020), recipe(), env={"device": "cpu", "backend": "gloo", "bf16": False})
+    assert d.kind == "compute-bound"
+    assert d.headline.startswith("forward/backward/optimizer take 78% of the step")
+    assert {a.phase for a in d.advice} == {"communication"}
+    assert "the advice below targets the rest: exposed gradient communication 20% of the step" in d.headline
+    own = diagnose(ranks(comm=0.040, exposed=0.020), recipe(), env={"device": "cpu", "backend": "gloo", "bf16": True})
+    assert "targets the rest" not in own.headline  # bf16 advice is about compute itself
+    quiet = diagnose(ranks(), recipe(), env={"device": "cpu", "backend": "gloo"})
+    assert quiet.headline == "forward/backward/optimizer take 98% of the step" and not quiet.advice
 
 
 # --------------------------------------------------------------------------- compute
@@ -162,9 +217,10 @@ WALL = dict(wall_s=100.0, train_s=70.0, eval_s=2.0, checkpoint_s=18.0, logging_s
 
 def test_checkpoint_advice_projects_the_cost_of_a_longer_interval():
     d = diagnose(ranks(), recipe(trainer={"checkpoint": {"every": 10}}), wall=WALL)
-    text = one(d, "trainer.checkpoint.every 10 costs 18% of wall time")
+    text = one(d, "raise trainer.checkpoint.every from 10 to 50: saving checkpoints costs 18% of wall time")
     every, share = re.search(r"every (\d+) would cost (\d+)%", text).groups()
     assert int(every) == 50 and int(share) <= 5  # 20 saves x 0.18 s of 85.8 s
+    assert d.changes()["trainer.checkpoint.every"].changes == {"trainer.checkpoint.every": 50}
     assert ["checkpoint", "18.00", "18%"] in d.wall and "| checkpoint | 18.00 | 18% |" in d.markdown("x")
     quiet = dict(WALL, checkpoint_s=3.0, train_s=85.0)
     none(diagnose(ranks(), recipe(trainer={"checkpoint": {"every": 10}}), wall=quiet), "checkpoint.every")
@@ -173,8 +229,11 @@ def test_checkpoint_advice_projects_the_cost_of_a_longer_interval():
 def test_evaluation_advice_above_ten_percent_of_wall_time():
     wall = dict(WALL, eval_s=25.0, train_s=63.0, checkpoint_s=2.0, logging_s=3.0)
     d = diagnose(ranks(), recipe(trainer={"eval_every": 100, "eval_steps": 50}), wall=wall)
-    text = one(d, "trainer.eval_every 100 costs 25% of wall time (10 evaluations of 50 batches, 2.50 s each)")
+    text = one(d, "raise trainer.eval_every from 100 to ")
+    assert "evaluation costs 25% of wall time (10 evaluations of 50 batches, 2.50 s each)" in text
     assert "would cost" in text and "lower trainer.eval_steps from 50" in text
+    final_only = diagnose(ranks(), recipe(trainer={"eval_every": 1000, "eval_steps": 50}), wall=wall)
+    assert "evaluation costs 25% of wall time" in one(final_only, "lower trainer.eval_steps from 50 to 25")
 
 
 def test_logging_advice_when_tracking_costs_more_than_ten_percent():

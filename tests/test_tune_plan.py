@@ -18,15 +18,16 @@ from trainkit.launch import tune
 from trainkit.recipe import resolve
 
 
-class ScriptedTuner(tune.Tuner):
-    """A Tuner whose trials are drawn from `factors` ({(key, value): throughput factor}) instead of run."""
+class ScriptedRunner:
+    """Trials drawn from `factors` ({(key, value): throughput factor}) instead of run; the baseline's
+    evidence, when given, is what its run's report would have reasoned from."""
 
-    def __init__(self, *args, factors: dict, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.factors, self.jitter, self.resolved_trials = factors, random.Random(0), []
+    def __init__(self, recipe_path: str, overrides: list[str], factors: dict, evidence=None):
+        self.recipe_path, self.overrides, self.factors, self.evidence = recipe_path, overrides, factors, evidence
+        self.jitter, self.resolved_trials, self.kept_dirs = random.Random(0), [], []
 
-    def _trial(self, arm, timeout=None, breakdown=False):
-        recipe = resolve(self.recipe_path, [*self.user_overrides, *arm.overrides()]).recipe  # as a real trial starts
+    def run(self, index, arm, timeout):
+        recipe = resolve(self.recipe_path, [*self.overrides, *arm.overrides()]).recipe  # as a real trial starts
         self.resolved_trials.append((arm.name, recipe))
         value = 100.0 * (1 + self.jitter.uniform(-0.01, 0.01))
         key = tuple(sorted(arm.changes.items()))
@@ -35,19 +36,17 @@ class ScriptedTuner(tune.Tuner):
         else:
             for change in arm.changes.items():
                 value *= self.factors.get(change, 1.0)
-        trial = tune.Trial(arm.name, f"t{len(self.trials) + 1}", 0, 0.01, value)
-        self.sequence.append((arm.name, value))
-        self.trials.append(trial)
-        return trial
+        return tune.Trial(arm.name, f"t{index}", 0, 0.01, value, evidence=self.evidence if index == 1 else None)
 
 
-def _tune(tmp_path: Path, recipe: Path, knobs: str, factors: dict, allow: str = "", overrides=()):
+def _tune(tmp_path: Path, recipe: Path, knobs, factors: dict, allow: str = "", overrides=(), evidence=None):
     out = tmp_path / "tuned.yaml"
-    options = tune.Options(budget_s=600, steps=12, knobs=knobs.split(","), out=out,
+    options = tune.Options(budget_s=600, steps=12, knobs=knobs.split(",") if knobs is not None else None, out=out,
                            allow=frozenset(a for a in allow.split(",") if a))
-    tuner = ScriptedTuner(resolve(str(recipe), list(overrides)), str(recipe), list(overrides), options,
-                          factors=factors)
+    runner = ScriptedRunner(str(recipe), list(overrides), factors, evidence)
+    tuner = tune.Tuner(resolve(str(recipe), list(overrides)), str(recipe), list(overrides), options, runner=runner)
     assert tuner.run() == 0
+    tuner.resolved_trials = runner.resolved_trials
     return tuner, out
 
 

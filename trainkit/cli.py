@@ -750,9 +750,10 @@ def _sync_one(run_dir) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .analysis.bottleneck import diagnose
+    from .analysis import evidence
+    from .analysis.bottleneck import diagnose_evidence
     from .recipe import RecipeError, resolve
-    from .run_dir import BREAKDOWN, RECIPE, RESOLVED_RECIPE, read_json, report_path
+    from .run_dir import BREAKDOWN, RECIPE, RESOLVED_RECIPE, report_path
 
     run_dir = Path(args.run_dir)
     evidence_path = report_path(run_dir, BREAKDOWN)
@@ -760,7 +761,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"trainkit: {evidence_path} not found: is {run_dir} a finished trainkit run directory?", file=sys.stderr)
         return EXIT_INVALID
     try:
-        evidence = read_json(evidence_path)
+        found = evidence.read(run_dir)
     except ValueError:
         print(f"trainkit: {evidence_path} is not valid JSON (cut short by a crash?)", file=sys.stderr)
         return EXIT_FAILED
@@ -768,8 +769,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         recipe = resolve(run_dir / RECIPE).recipe
     except RecipeError:  # its ${oc.env:...} references need the run's environment: the shown copy will do
         recipe = resolve(run_dir / RESOLVED_RECIPE).recipe
-    print(diagnose(evidence["per_rank"], recipe, env=evidence.get("env"), wall=evidence.get("wall"),
-                   gpu=evidence.get("gpu"), global_batch=evidence.get("global_batch")).markdown(recipe.name), end="")
+    print(diagnose_evidence(found, recipe).markdown(recipe.name), end="")
     return EXIT_OK
 
 

@@ -1,40 +1,35 @@
 """The bottleneck report: from measured step phases, say what limits the run and what to change.
 
-Input is every rank's median step breakdown (runtime.stats.RunStats), plus what the run knows about
-where it ran (`env`: device, backend, bf16 support), its whole-run time accounting (`wall`: steps,
-evaluation, checkpoints, logging, start-up, shutdown) and GPU utilisation (`gpu`). The run is classified as
-straggler-, data-, communication- or compute-bound, with the numbers as evidence and concrete recipe
-changes ranked by the time they could save. Communication counts by its *exposed* part: with DDP the
-all-reduce overlaps backward, and only the time the step still waits for it after compute is done
-costs anything (in-flight time is shown as evidence, not judged). Written at the end of every run and on demand
-(`trainkit report RUN_DIR`).
+Input is the run's evidence (`evidence.Evidence`: every rank's median step breakdown, where the run
+ran, its whole-run time accounting, GPU utilisation, the global batch). The run is classified as
+straggler-, data-, communication- or compute-bound, with the numbers as evidence and recipe changes
+(`advice.Advice`) ranked by the time they could save. Communication counts by its *exposed* part:
+with DDP the all-reduce overlaps backward, and only the time the step still waits for it after
+compute is done costs anything (in-flight time is shown as evidence, not judged). Written at the end
+of every run and on demand (`trainkit report RUN_DIR`); `trainkit tune` tries its changes.
 
-Every advice rule states the mechanism and the expected effect in the recipe's own terms and is only
-given where the recipe's strategy, backend and device can do it (tests/test_bottleneck_advice.py).
+The headline never contradicts the advice: when a compute-bound run's advice is all about another
+phase (exposed communication, data wait), the headline names that phase and its share.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from ..run_dir import WARMUP_STEPS
+from . import evidence as evidence_files
+from .advice import (COMMUNICATION, COMPUTE, DATA, GPU_IDLE, OVERHEAD, Advice, comm_advice, compute_advice,
+                     data_advice, straggler_advice, wall_advice)
+from .evidence import Evidence, describe_env
+
+__all__ = ["Advice", "Diagnosis", "diagnose", "diagnose_evidence", "diagnose_run", "describe_env"]
 
 DATA_SHARE, COMM_SHARE = 0.25, 0.25  # a phase taking a quarter of the step is worth fixing first
 STRAGGLER_MARGIN = 0.2
-OVERHEAD_SHARE = 0.10  # checkpoints / evaluation / logging above this share of wall time get advice
-TARGET_SHARE = 0.05  # what the suggested interval aims for
-GPU_IDLE = 60.0  # percent: below this a compute-bound GPU is starved by the host
 WALL_PARTS = ("train", "eval", "checkpoint", "logging", "startup", "shutdown")
-
-
-@dataclass
-class Advice:
-    saving: float  # fraction of step time this could save (for ranking)
-    text: str
 
 
 @dataclass
@@ -50,6 +45,14 @@ class Diagnosis:
     def ranked(self) -> list[Advice]:
         return sorted(self.advice, key=lambda a: -a.saving)
 
+    def changes(self) -> dict[str, Advice]:
+        """Recipe key -> the advice proposing it (the largest expected saving where several do)."""
+        out: dict[str, Advice] = {}
+        for a in self.ranked():
+            if a.key is not None:
+                out.setdefault(a.key, a)
+        return out
+
     def tags(self) -> dict[str, str]:
         """MLflow run tags: filterable and sortable in the UI (`tags.trainkit.bottleneck = 'data-bound'`)."""
         out = {"trainkit.bottleneck": self.kind, "trainkit.bottleneck.headline": self.headline[:4000]}
@@ -59,8 +62,10 @@ class Diagnosis:
         return out
 
     def summary(self) -> dict:
-        return {"kind": self.kind, "headline": self.headline, "advice": [a.text for a in self.ranked()],
-                "facts": self.facts, "tags": self.tags()}
+        """reports/verdict.json: `advice` as sentences, `advice_data` as fields (changes, mechanism, ...)."""
+        ranked = self.ranked()
+        return {"kind": self.kind, "headline": self.headline, "advice": [a.text for a in ranked],
+                "advice_data": [a.as_dict() for a in ranked], "facts": self.facts, "tags": self.tags()}
 
     def markdown(self, title: str) -> str:
         lines = [f"# Bottleneck report: {title}", "", f"**{self.kind}**: {self.headline}", ""]
@@ -99,86 +104,35 @@ def _env(recipe, env: Optional[dict]) -> dict:
     (`auto` leaves device and backend unknown, and advice that depends on them is not given)."""
     out = dict(env or {})
     backend = recipe.launch.backend
-    if "backend" not in out and backend != "auto":
+    if out.get("backend") is None and backend != "auto":
         out["backend"] = backend
-    if "device" not in out and out.get("backend") == "nccl":
+    if out.get("device") is None and out.get("backend") == "nccl":
         out["device"] = "cuda"
     return out
 
 
-def _times(every: int, max_steps: int) -> int:
-    """How often something runs every `every` steps and always at the last step."""
-    return max_steps // every + (1 if max_steps % every else 0)
-
-
-def _cheaper_interval(every: int, max_steps: int, each_s: float, rest_s: float) -> tuple[int, float]:
-    """The smallest multiple of `every` (2x, 5x, 10x, ...) whose projected share of wall time is at most
-    TARGET_SHARE (or max_steps: only the final one), and that share."""
-    choice = max_steps
-    for factor in (2, 5, 10, 20, 50, 100, 200, 500, 1000):
-        candidate = every * factor
-        if candidate >= max_steps:
-            break
-        n = _times(candidate, max_steps)
-        if n * each_s / (rest_s + n * each_s) <= TARGET_SHARE:
-            choice = candidate
-            break
-    n = _times(choice, max_steps)
-    return choice, n * each_s / max(rest_s + n * each_s, 1e-9)
-
-
-def _lr_rule(recipe, factor: float) -> str:
-    """How optimizer.lr should follow a global batch `factor`x larger: linear for SGD, square root for Adam."""
-    opt = recipe.optimizer
-    if opt.name == "sgd":
-        return f"scale optimizer.lr accordingly (linear rule: {opt.lr:g} → {opt.lr * factor:g}, with warm-up)"
-    return f"scale optimizer.lr accordingly (square-root rule for {opt.name}: {opt.lr:g} → {opt.lr * math.sqrt(factor):.3g})"
-
-
-def wall_advice(recipe, wall: dict) -> tuple[list[list[str]], list[str], list[Advice], dict]:
+def _wall(recipe, wall: dict) -> tuple[list[list[str]], list[str], list[Advice], dict]:
     """Rows of the wall-time table, evidence, advice and facts from the run's time accounting
     (`runtime.loop.WallTimes.as_dict()`: *_s seconds per part, counts, wall_s)."""
     total = wall.get("wall_s") or 0.0
     if total <= 0:
         return [], [], [], {}
-    t = recipe.trainer
     parts = {p: wall.get(f"{p}_s") or 0.0 for p in WALL_PARTS}
     other = max(0.0, total - sum(parts.values()))
     rows = [[p, f"{v:.2f}", f"{v / total:.0%}"] for p, v in parts.items()] + [["other", f"{other:.2f}",
                                                                                 f"{other / total:.0%}"]]
     facts = {f"time.{p}_share": v / total for p, v in parts.items()}
     evidence = ["wall time " + f"{total:.1f} s: " + ", ".join(f"{p} {v / total:.0%}" for p, v in parts.items())]
-    advice: list[Advice] = []
-    ckpt, saves = parts["checkpoint"], wall.get("checkpoints") or 0
-    if ckpt / total > OVERHEAD_SHARE and saves and t.checkpoint.every and t.checkpoint.every < t.max_steps:
-        each = ckpt / saves
-        every, share = _cheaper_interval(t.checkpoint.every, t.max_steps, each, total - ckpt)
-        advice.append(Advice(ckpt / total - share,
-                             f"trainer.checkpoint.every {t.checkpoint.every} costs {ckpt / total:.0%} of wall time "
-                             f"({saves} saves, {each:.2f} s each); every {every} would cost {share:.0%} (a crash "
-                             f"then loses up to {every} steps instead of {t.checkpoint.every})"))
-    ev, evals = parts["eval"], wall.get("evals") or 0
-    if ev / total > OVERHEAD_SHARE and evals and t.eval_every:
-        each = ev / evals
-        text = f"trainer.eval_every {t.eval_every} costs {ev / total:.0%} of wall time ({evals} evaluations of " \
-               f"{t.eval_steps} batches, {each:.2f} s each)"
-        if t.eval_every < t.max_steps:
-            every, share = _cheaper_interval(t.eval_every, t.max_steps, each, total - ev)
-            text += f"; every {every} would cost {share:.0%}"
-            saving = ev / total - share
-        else:
-            saving = ev / total / 2
-        if t.eval_steps > 1:
-            text += f" (or lower trainer.eval_steps from {t.eval_steps}: each evaluation costs in proportion)"
-        advice.append(Advice(saving, text))
-    log = parts["logging"]
-    if log / total > OVERHEAD_SHARE and t.log_every < 10 and t.log_every < t.max_steps:
-        every = min(t.max_steps, t.log_every * 10)
-        advice.append(Advice(log / total * 0.9, f"raise trainer.log_every from {t.log_every} to {every}: logging "
-                             f"(metric gathers, tracking writes) costs {log / total:.0%} of wall time; "
-                             f"{every // t.log_every}x fewer log steps would cost about "
-                             f"{log / total * t.log_every / every:.0%}"))
-    return rows, evidence, advice, facts
+    return rows, evidence, wall_advice(recipe, parts, total, wall), facts
+
+
+def diagnose_run(run_dir: Path, recipe) -> Diagnosis:
+    """The diagnosis of a finished run from its files (OSError/ValueError: no readable evidence)."""
+    return diagnose_evidence(evidence_files.read(run_dir), recipe)
+
+
+def diagnose_evidence(ev: Evidence, recipe) -> Diagnosis:
+    return diagnose(ev.per_rank, recipe, env=ev.env, wall=ev.wall, gpu=ev.gpu, global_batch=ev.global_batch)
 
 
 def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, env: Optional[dict] = None,
@@ -186,12 +140,11 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
     """`env`: {"device": "cuda"|"cpu", "backend": "nccl"|"gloo", "bf16": bool} (what the run could use);
     `wall`: the whole-run time accounting; `gpu`: {"busy_percent": mean NVML utilisation over ranks}."""
     env = _env(recipe, env)
-    wall_rows, wall_evidence, wall_tips, wall_facts = wall_advice(recipe, wall or {})
+    wall_rows, wall_evidence, wall_tips, wall_facts = _wall(recipe, wall or {})
     ranks = [r for r in per_rank if r.get("steps")]
     if not ranks:
-        d = Diagnosis("unknown", f"too few steps to measure (the first {WARMUP_STEPS} steps of a launch are warm-up)",
-                      wall_evidence, wall_tips, wall=wall_rows, facts=wall_facts)
-        return d
+        return Diagnosis("unknown", f"too few steps to measure (the first {WARMUP_STEPS} steps of a launch are "
+                         f"warm-up)", wall_evidence, wall_tips, wall=wall_rows, facts=wall_facts)
     step = statistics.median(r["total"] for r in ranks)
     data = _mean(ranks, "data_wait") or 0.0
     comm = _mean(ranks, "comm")
@@ -209,9 +162,9 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
     typical = statistics.median(pre.values())
     slow = [rk for rk, v in pre.items() if len(ranks) > 1 and v > typical * (1 + margin) and v - typical > 0.05 * step]
     data_share, comm_share = data / step, (exposed or 0.0) / step
-    d, t, s = recipe.data, recipe.trainer, recipe.strategy
-    dp = max(1, len(per_rank)) if s.name in ("ddp", "fsdp", "deepspeed") else 1
-    batch = global_batch or d.batch_size * dp * t.grad_accum_steps
+    s = recipe.strategy
+    dp = s.data_parallel_size(max(1, len(per_rank)))  # per_rank: one report per rank of the world
+    batch = global_batch or recipe.global_batch_at(dp)
     busy = (gpu or {}).get("busy_percent")
     facts = {"step_ms": step * 1000, "data_wait_share": data_share, **wall_facts}
     for key in ("forward", "backward", "optimizer"):
@@ -241,10 +194,7 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
         kind = "straggler-bound"
         headline = (f"rank {worst} on {host} needs {pre[worst] * 1000:.1f} ms per step before the gradient "
                     f"all-reduce vs a median of {typical * 1000:.1f} ms; every other rank waits for it")
-        advice.append(Advice((pre[worst] - typical) / step,
-                             f"investigate rank {worst} on host {host}: its data loading + forward take "
-                             f"{pre[worst] / max(typical, 1e-9):.1f}x the median (other jobs on the host, "
-                             f"thermal throttling, slower storage); run `trainkit doctor` there"))
+        advice.append(straggler_advice(worst, host, pre[worst], typical, step))
     elif data_share > DATA_SHARE:
         kind = "data-bound"
         headline = f"{data_share:.0%} of each step waits for data ({data * 1000:.1f} of {step * 1000:.1f} ms)"
@@ -254,112 +204,29 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
                     f"with backward ({exposed * 1000:.1f} of {step * 1000:.1f} ms; {comm * 1000:.1f} ms in flight)")
     else:
         kind = "compute-bound"
-        headline = f"forward/backward/optimizer take {1 - data_share - (comm_share if slow else 0):.0%} of the step"
+        headline = f"forward/backward/optimizer take {max(0.0, 1 - data_share - comm_share):.0%} of the step"
         if busy is not None and busy < GPU_IDLE:
             headline += (f"; GPU busy {busy:.0f}% of the time: the host does not keep it fed (kernel launches, "
                          f"small kernels)")
 
-    advice += _data_advice(recipe, env, data, data_share)
-    advice += _comm_advice(recipe, env, exposed, comm_share, step, batch, dp)
+    advice += data_advice(recipe, env, data, data_share)
+    advice += comm_advice(recipe, env, exposed, comm_share, batch, dp)
     if kind == "compute-bound":
-        advice += _compute_advice(recipe, env, busy, batch)
+        advice += compute_advice(recipe, env, busy, batch)
+        headline += _elsewhere(advice, data_share, comm_share)
     return Diagnosis(kind, headline, evidence, advice, table, wall=wall_rows, facts=facts)
 
 
-def _data_advice(recipe, env: dict, data: float, data_share: float) -> list[Advice]:
-    """Loader settings, whenever data wait is visible (> 5% of the step)."""
-    d, out = recipe.data, []
-    if data_share <= 0.05:
-        return out
-    cpus = os.cpu_count() or 1
-    per_rank = max(1, cpus // max(1, recipe.launch.nproc_per_node))
-    ms = f"{data * 1000:.1f} ms"
-    if d.num_workers == 0:
-        out.append(Advice(data_share * 0.9, f"set data.num_workers: {min(per_rank, 8)} (now 0): decoding and "
-                          f"augmentation run inside the training process and stall it {ms} per step "
-                          f"({data_share:.0%}); worker processes prepare the next batches while the step computes, "
-                          f"saving up to that {data_share:.0%}"))
-    else:
-        if d.num_workers < per_rank:
-            target = min(per_rank, 16)
-            out.append(Advice(data_share * 0.6, f"raise data.num_workers from {d.num_workers} to {target}: "
-                              f"{d.num_workers} worker(s) do not keep up ({data_share:.0%} of the step, {ms}, still "
-                              f"waits for data); {target} load {target / d.num_workers:.1g}x as many batches at once "
-                              f"({per_rank} CPU cores per rank here)"))
-        prefetch = d.prefetch_factor or 2
-        if prefetch < 4:
-            out.append(Advice(data_share * 0.3, f"raise data.prefetch_factor from {prefetch} to 4: each worker keeps "
-                              f"4 batches ready instead of {prefetch}, absorbing slow batches ({ms} data wait per step)"))
-        if not d.persistent_workers:
-            out.append(Advice(data_share * 0.2, "set data.persistent_workers: true: the loader's worker processes "
-                              "are started again at every epoch boundary; kept alive, the first steps of each epoch "
-                              "stop waiting for them"))
-    if not d.pin_memory and env.get("device") == "cuda":
-        out.append(Advice(data_share * 0.1, "set data.pin_memory: true: batches in page-locked host memory copy to "
-                          "the GPU faster and without blocking the step"))
-    return out
-
-
-def _comm_advice(recipe, env: dict, exposed, comm_share: float, step: float, batch: int, dp: int) -> list[Advice]:
-    """DDP settings, when exposed communication costs more than 10% of the step."""
-    s, t, out = recipe.strategy, recipe.trainer, []
-    if exposed is None or comm_share <= 0.1 or s.name != "ddp" or dp < 2:
-        return out
-    ms = f"{exposed * 1000:.1f} ms"
-    if s.bucket_cap_mb < 10:
-        out.append(Advice(comm_share * 0.6, f"raise strategy.bucket_cap_mb from {s.bucket_cap_mb:g} to 25: tiny "
-                          f"buckets mean many small all-reduces, each paying the full latency; fewer, larger ones "
-                          f"cut most of the {ms} exposed per step"))
-    if s.comm_hook == "none":
-        backend = env.get("backend")
-        hook = "bf16_compress" if backend == "nccl" else "fp16_compress" if backend == "gloo" else None
-        if hook:
-            why = "" if hook == "bf16_compress" else " (bf16_compress needs NCCL; this run uses gloo)"
-            out.append(Advice(comm_share * 0.4, f"set strategy.comm_hook: {hook}{why}: gradients travel as 16-bit, "
-                              f"halving the bytes of each all-reduce: up to ~{exposed * 500:.1f} of the {ms} exposed "
-                              f"per step saved (gradients lose precision in transit)"))
-    accum = t.grad_accum_steps
-    new = accum * 4
-    out.append(Advice(comm_share * 0.75 * 0.5,
-                      f"raise trainer.grad_accum_steps from {accum} to {new}: global batch {batch} → {batch * 4}, "
-                      f"one all-reduce per 4x more samples (the {ms} exposed per step is paid once per {new} "
-                      f"micro-batches); {_lr_rule(recipe, 4)} — keeping the global batch with a smaller "
-                      f"data.batch_size would save nothing"))
-    if not s.static_graph and not s.find_unused_parameters:
-        out.append(Advice(comm_share * 0.1, "set strategy.static_graph: true if the model runs the same graph every "
-                          "step: DDP then skips its per-step search for unused parameters and can reorder buckets "
-                          "to match the backward order, overlapping more of the all-reduce"))
-    return out
-
-
-def _compute_advice(recipe, env: dict, busy: Optional[float], batch: int) -> list[Advice]:
-    out, d = [], recipe.data
-    device = env.get("device")
-    if recipe.precision == "fp32" and env.get("bf16"):
-        where = "tensor cores" if device == "cuda" else "the CPU's AMX/AVX512-BF16 units"
-        out.append(Advice(0.3, f"set precision: bf16: autocast runs matmuls and convolutions on {where} at 2x or more "
-                          f"the fp32 rate (this {device or 'device'} supports bf16); expect the forward/backward "
-                          f"time to drop by up to half"))
-    if device == "cuda" and busy is not None and busy < GPU_IDLE:
-        out.append(Advice(0.1 + (GPU_IDLE - busy) / 200, f"raise data.batch_size from {d.batch_size} to "
-                          f"{d.batch_size * 2} if memory allows: the GPU is busy only {busy:.0f}% of the time, "
-                          f"larger kernels keep it fed; global batch {batch} → {batch * 2}, {_lr_rule(recipe, 2)}"))
-    return out
-
-
-def describe_env(device: str, backend: Optional[str]) -> dict:
-    """What advice may assume about where the run ran: device type, process-group backend, and whether
-    bf16 runs fast there (a CUDA GPU that supports it; a CPU with AMX or AVX512-BF16)."""
-    bf16 = False
-    try:
-        if device == "cuda":
-            import torch
-
-            bf16 = bool(torch.cuda.is_bf16_supported())
-        else:
-            with open("/proc/cpuinfo") as f:
-                flags = f.read(200_000)
-            bf16 = "amx_bf16" in flags or "avx512_bf16" in flags
-    except Exception:
-        pass
-    return {"device": device, "backend": backend, "bf16": bf16}
+def _elsewhere(advice: list[Advice], data_share: float, comm_share: float) -> str:
+    """A compute-bound headline's pointer to the phases the advice addresses, when none of it is compute."""
+    phases = {a.phase for a in advice}
+    if not advice or COMPUTE in phases:
+        return ""
+    parts = []
+    if COMMUNICATION in phases:
+        parts.append(f"exposed gradient communication {comm_share:.0%} of the step")
+    if DATA in phases:
+        parts.append(f"data wait {data_share:.0%} of the step")
+    if OVERHEAD in phases:
+        parts.append("time outside the steps")
+    return f"; the advice below targets the rest: {', '.join(parts)}" if parts else ""

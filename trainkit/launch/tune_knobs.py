@@ -2,9 +2,11 @@
 
 A row (`recipe.blocks.Knob`) says which recipe key it sets, which values to try for a given recipe,
 whether it changes what is trained (`semantic`: only tried with `--allow`), and which recipe keys
-it changes alongside (the batch rule scales the learning rate). Without `--knobs`, a knob is tried when the bottleneck diagnosis names its key in its advice (so new advice picks up
-the matching knob by itself); `--knobs` names knobs to try whatever the diagnosis says. A strategy's
-own knobs are in its options class (`StrategyOptions.tune_knobs`), so a plugin subclass inherits them.
+it changes alongside (the batch rule scales the learning rate). Without `--knobs`, a knob is tried when
+a piece of the baseline's bottleneck advice proposes a change to its key (`Advice.changes`, see
+`tune_plan`), at the advised value; `--knobs` names knobs to try at their own values, whatever the
+diagnosis says. A strategy's own knobs are in its options class (`StrategyOptions.tune_knobs`), so a
+plugin subclass inherits them.
 
 Performance options (`performance.channels_last`, `performance.compile`, ...) are rows only when
 the installed schema has them: `performance_knobs()` reads the schema.
@@ -22,7 +24,7 @@ from ..recipe.blocks.knobs import get
 from ..recipe.schema import Recipe
 from ..runtime import host_allocator
 
-__all__ = ["Knob", "get", "all_knobs", "not_applicable", "suggested", "override_text"]
+__all__ = ["Knob", "get", "all_knobs", "not_applicable", "override_text"]
 
 
 def _cpus_per_rank(recipe: Recipe) -> int:
@@ -141,11 +143,6 @@ def not_applicable(knob: Knob, recipe: Recipe, facts: dict) -> Optional[str]:
     if get(recipe, knob.path.rsplit(".", 1)[0] if "." in knob.path else "name") is None:
         return f"the recipe has no {knob.path}"
     return knob.applies(recipe, facts) if knob.applies else None
-
-
-def suggested(knob: Knob, advice_texts: list[str]) -> bool:
-    """Does the diagnosis advise changing this knob's key?"""
-    return any(knob.path in text for text in advice_texts)
 
 
 def override_text(path: str, value: Any) -> str:

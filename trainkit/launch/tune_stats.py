@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 MIN_PAIRS = 5  # fewer paired ratios cannot give a meaningful interval (see above)
+MAX_PAIRS = 7  # trials per change before it is called "no significant gain"
 MIN_GAIN = 0.03  # a smaller gain is not worth a recipe change even if it were real
 NOISE_FACTOR = 3.0
 BOOTSTRAP_RESAMPLES = 4000
@@ -95,3 +96,29 @@ def paired_ratios(sequence: Sequence[tuple[str, float]], arm: str) -> list[float
         if around:
             ratios.append(value / (sum(around) / len(around)))
     return ratios
+
+
+class Measurements:
+    """Every measured trial's throughput in the order the trials ran, and the verdicts drawn from them."""
+
+    def __init__(self) -> None:
+        self.sequence: list[tuple[str, float]] = []  # (arm, samples/s)
+
+    def add(self, arm: str, samples_per_s: float) -> None:
+        self.sequence.append((arm, samples_per_s))
+
+    def values(self, arm: str) -> list[float]:
+        return [v for n, v in self.sequence if n == arm]
+
+    def median(self, arm: str) -> Optional[float]:
+        values = self.values(arm)
+        return statistics.median(values) if values else None
+
+    def noise(self) -> Optional[float]:
+        return noise(self.values("baseline"))
+
+    def ratios(self, arm: str) -> list[float]:
+        return paired_ratios(self.sequence, arm)
+
+    def verdict(self, arm: str, final: bool) -> Verdict:
+        return judge(self.ratios(arm), self.noise(), final)

@@ -44,6 +44,11 @@ class DataOptions(PluginBlock):
         """The shape of one input sample, where the options say it (the pipeline tracer, doctor's memory)."""
         return None
 
+    def loading_work(self) -> str:
+        """What loading a sample costs the CPU, in words (the bottleneck report's reason for loader worker
+        processes), or "" where the samples are already in memory and nothing is read or decoded."""
+        return "reading, decoding and augmenting each sample"
+
     def rules(self, recipe: Any) -> Iterator[Finding]:
         """Cross-field rules of this dataset against the whole recipe (validate; no torch)."""
         return iter(())
@@ -84,6 +89,9 @@ class SyntheticData(DataOptions):
     def sample_shape(self) -> Optional[list[int]]:
         return list(self.shape)
 
+    def loading_work(self) -> str:
+        return "the planted per-sample delay, data.sleep_ms" if self.sleep_ms else ""  # generated in memory
+
     def rules(self, recipe: Any) -> Iterator[Finding]:
         if recipe.performance.channels_last and len(self.shape) != 3:
             yield ("performance", "channels_last"), (
@@ -103,6 +111,9 @@ class ImageFolderData(DataOptions):
         default="error", description="what to do with an unreadable image: fail, or skip it and count it"
     )
     layout_note: ClassVar[str] = ", class folders with images"
+
+    def loading_work(self) -> str:
+        return "decoding and augmentation"
 
     def train_size(self) -> Optional[int]:
         root = Path(self.root).expanduser()
@@ -152,6 +163,9 @@ class Cifar10Data(DataOptions):
     def sample_shape(self) -> Optional[list[int]]:
         return [3, 32, 32]
 
+    def loading_work(self) -> str:
+        return "normalisation and random flips"  # the arrays are in memory: nothing is decoded
+
     def preflight(self) -> Iterator[PreflightFinding]:
         folder = Path(self.root).expanduser() / "cifar-10-batches-py"
         missing = [n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if not (folder / n).is_file()]
@@ -192,6 +206,9 @@ class TextData(DataOptions):
         default=None, description="write a synthetic corpus and train its tokenizer when the files are missing")
 
     batches: ClassVar[str] = "tokens"
+
+    def loading_work(self) -> str:
+        return ""  # tokenized and packed into memory when the dataset is built
 
     def written_paths(self) -> Iterator[Finding]:
         if self.generate is None:  # read only

@@ -1,0 +1,142 @@
+"""One `trainkit tune` trial: a real `trainkit run` subprocess of the recipe as given plus overrides.
+
+Same world size, same launcher, its own run directory and name (`<name>-tNN-<change>` under the tune's
+`<name>.tune-<stamp>` folder), so no trial resumes and no lock or drift check ever sees two trials as
+one job. What the tune needs from a finished trial (its throughput, and for the baseline the evidence
+of its bottleneck report) is read before its run directory is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..analysis import evidence as evidence_files
+from ..analysis.evidence import Evidence
+from ..processes import CLI
+from ..run_dir import WARMUP_STEPS, measured_step_times, read_metrics, read_summary
+from .tune_plan import Arm
+from .tune_tracking import ParentRun, deliver_or_keep
+
+MIN_STEPS = WARMUP_STEPS + 3
+
+
+@dataclass
+class Trial:
+    arm: str
+    name: str
+    code: int  # the trial process's exit status
+    wall_s: float
+    samples_per_s: Optional[float] = None  # None: the trial measured nothing (see error)
+    error: str = ""
+    timed_out: bool = False
+    evidence: Optional[Evidence] = None  # the bottleneck report's evidence (reports/breakdown.json)
+
+
+class TrialRunner:
+    """Runs trials in WORKDIR/trials, links each to the tune's MLflow run, and removes its run
+    directory once its records are delivered (`kept_dirs`: those that are not)."""
+
+    def __init__(self, resolved, recipe_path: str, overrides: Sequence[str], steps: int, workdir: Path,
+                 parent: Optional[ParentRun]):
+        self.resolved, self.recipe_path, self.overrides = resolved, recipe_path, list(overrides)
+        self.steps, self.workdir, self.parent = steps, workdir, parent
+        self.kept_dirs: list[Path] = []
+
+    def command(self, name: str, overrides: Sequence[str]) -> list[str]:
+        monitors = list(self.resolved.raw.get("monitors") or [])
+        if not any((m if isinstance(m, str) else m.get("name")) == "breakdown" for m in monitors):
+            monitors.append("breakdown")  # every trial alike: the baseline's diagnosis needs it
+        return [sys.executable, "-m", CLI, "run", self.recipe_path, *self.overrides, *overrides,
+                f"name={name}", f"tracking.run_name={name}", f"launch.run_dir={self.workdir / 'trials'}",
+                f"trainer.max_steps={self.steps}", "trainer.log_every=1", "trainer.resume=never",
+                "trainer.eval_every=null", "trainer.checkpoint.every=null", f"monitors={json.dumps(monitors)}",
+                "tracking.close_wait_s=0"]  # tune delivers (or keeps) each trial's records itself, right after
+
+    def run(self, index: int, change: Arm, timeout: float) -> Trial:
+        """Trial number `index`, of `change`; KeyboardInterrupt stops it at once and leaves nothing behind."""
+        arm = change.name
+        slug = re.sub(r"[^A-Za-z0-9_.\-]+", "_", arm)[:40]
+        name = f"{self.resolved.recipe.name[:50]}-t{index:02d}-{slug}"
+        run_dir = self.workdir / "trials" / name
+        log = self.workdir / f"{name}.log"
+        print(f"trainkit: tune: trial {index}: {arm}", flush=True)
+        start = time.monotonic()
+        timed_out = False
+        with open(log, "w") as out:
+            proc = subprocess.Popen(self.command(name, change.overrides()), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                code, timed_out = proc.returncode, True
+            except BaseException:  # Ctrl-C: stop the trial at once, leave nothing behind
+                _stop(proc)
+                self._finish(run_dir, Trial(arm, name, 130, time.monotonic() - start))
+                raise
+        trial = Trial(arm, name, code, time.monotonic() - start, timed_out=timed_out)
+        if code == 0 and not timed_out:
+            trial.samples_per_s, trial.error = _throughput(run_dir)
+            trial.evidence = baseline_evidence(run_dir)
+        else:
+            tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+            trial.error = (f"timed out after {timeout:.0f} s" if timed_out else f"exit {code}") + \
+                (": " + " | ".join(tail) if tail else "")
+        if trial.samples_per_s is not None:
+            print(f"trainkit: tune: trial {index}: {arm}: {trial.samples_per_s:.1f} samples/s", flush=True)
+        else:
+            print(f"trainkit: tune: trial {index}: {arm}: failed: {trial.error}", file=sys.stderr, flush=True)
+        self._finish(run_dir, trial)
+        return trial
+
+    def _finish(self, run_dir: Path, trial: Trial) -> None:
+        if self.parent is not None:
+            self.parent.link(run_dir, trial.arm, trial.samples_per_s)
+        if not deliver_or_keep(run_dir):
+            self.kept_dirs.append(run_dir)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a trial and every process it started (its own session): SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def baseline_evidence(run_dir: Path) -> Optional[Evidence]:
+    """What the trial's own bottleneck report reasoned from (None: the run wrote none)."""
+    try:
+        return evidence_files.read(run_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def _throughput(run_dir: Path) -> tuple[Optional[float], str]:
+    """Samples/s of the measured steps: global batch / median step time (warm-up steps excluded: the
+    loop writes step_time_s only after them)."""
+    try:
+        summary = read_summary(run_dir)
+        rows = read_metrics(run_dir)
+    except (OSError, ValueError) as exc:
+        return None, f"no measurements in {run_dir}: {exc}"
+    times = measured_step_times(rows)
+    if not times:
+        return None, f"no measured steps (use --steps {MIN_STEPS} or more)"
+    return summary["global_batch"] / statistics.median(times), ""
