@@ -166,12 +166,6 @@ def straggler_advice(rank: int, host: str, pre: float, typical: float, step: flo
 
 
 # --------------------------------------------------------------------------- data loading
-def _loading_work(data) -> str:
-    """What loading a sample costs the CPU, in the dataset's own words ("" where samples are in memory)."""
-    work = getattr(data, "loading_work", None)
-    return work() if callable(work) else "sample loading"
-
-
 def data_advice(recipe, env: dict, data: float, data_share: float) -> list[Advice]:
     """Loader settings, whenever data wait is visible (> 5% of the step)."""
     d, out = recipe.data, []
@@ -182,7 +176,7 @@ def data_advice(recipe, env: dict, data: float, data_share: float) -> list[Advic
     ms = f"{data * 1000:.1f} ms"
     seen = {"data_wait_ms": data * 1000, "data_wait_share": data_share}
     if d.num_workers == 0:
-        work = _loading_work(d)
+        work = d.loading_work()  # in the dataset's own words; "" where the samples are in memory
         if work:
             out.append(Advice(data_share * 0.9, f"the loader's work ({work}) runs inside the training process and "
                               f"stalls it {ms} per step ({data_share:.0%}); worker processes prepare the next batches "
@@ -192,8 +186,8 @@ def data_advice(recipe, env: dict, data: float, data_share: float) -> list[Advic
             out.append(Advice(data_share * 0.5, f"the samples are in memory (nothing to read or decode), so the {ms} "
                               f"per step ({data_share:.0%}) is building batches (indexing, collation) inside the "
                               f"training process; a worker process builds the next batches while the step computes, "
-                              f"at the cost of copying them between processes (`trainkit tune --knobs num_workers` "
-                              f"measures which wins)",
+                              f"at the cost of copying them between processes (`trainkit tune` measures which "
+                              f"wins)",
                               {"data.num_workers": 1}, {"data.num_workers": 0}, DATA, seen))
     else:
         if d.num_workers < per_rank:
@@ -235,10 +229,10 @@ def comm_advice(recipe, env: dict, exposed, comm_share: float, batch: int, dp: i
         backend = env.get("backend")
         hook = "bf16_compress" if backend == "nccl" else "fp16_compress" if backend == "gloo" else None
         if hook:
-            why = "" if hook == "bf16_compress" else " (bf16_compress needs NCCL; this run uses gloo)"
+            why = "" if hook == "bf16_compress" else "; bf16_compress needs NCCL; this run uses gloo"
             out.append(Advice(comm_share * 0.4, f"gradients travel as 16-bit, halving the bytes of each all-reduce: "
                               f"up to ~{exposed * 500:.1f} of the {ms} exposed per step saved (gradients lose "
-                              f"precision in transit){why}",
+                              f"precision in transit{why})",
                               {"strategy.comm_hook": hook}, {"strategy.comm_hook": s.comm_hook}, COMMUNICATION, seen))
     accum = t.grad_accum_steps
     new = accum * 4

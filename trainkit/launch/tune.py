@@ -235,9 +235,11 @@ class Tuner:
 
     # ------------------------------------------------------------------ outputs
     def result(self) -> Result:
-        return Result(self.resolved, " ".join([self.recipe_path, *self.user_overrides]), self.o.out, self.o.steps,
-                      self.o.budget_s, len(self.trials), self._elapsed(), self.measured, self.plan, self.diagnosis,
-                      self.combination, self.final, self.stopped, list(self.runner.kept_dirs if self.runner else []))
+        return Result(resolved=self.resolved, source=" ".join([self.recipe_path, *self.user_overrides]),
+                      out=self.o.out, steps=self.o.steps, budget_s=self.o.budget_s, trials=len(self.trials),
+                      elapsed_s=self._elapsed(), measured=self.measured, plan=self.plan, diagnosis=self.diagnosis,
+                      combination=self.combination, final=self.final, stopped=self.stopped,
+                      kept_dirs=list(self.runner.kept_dirs if self.runner else []))
 
     def _write_outputs(self) -> None:
         result = self.result()
