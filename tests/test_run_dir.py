@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # names that mean only a run-directory file (not "reports" or "tracking", which are also recipe keys)
 FILE_NAMES = {run_dir.RECIPE, run_dir.RESOLVED_RECIPE, run_dir.METRICS, run_dir.SUMMARY, run_dir.FATAL,
               run_dir.LOCK, run_dir.COMMAND, run_dir.ENVIRONMENT, run_dir.FAILURE, run_dir.BREAKDOWN,
-              run_dir.BOTTLENECK, run_dir.VERDICT, run_dir.GPU}
+              run_dir.BOTTLENECK, run_dir.VERDICT, run_dir.GPU, run_dir.RANK_ERROR, run_dir.RANK_STDOUT,
+              run_dir.RANK_STDERR}
 
 
 def layout_table() -> str:

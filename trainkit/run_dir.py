@@ -36,6 +36,11 @@ COMMAND = "command.txt"  # the trainkit and torchrun command lines
 ENVIRONMENT = "environment.json"  # the recorded environment (secret-looking values dropped)
 FAILURE = "failure.txt"  # why the launch failed, when it did
 
+# RUN_DIR/logs/<rdzv-id>_*/attempt_<n>/<local rank>/: torchelastic's names, read by launch/failures.py
+RANK_ERROR = "error.json"  # the rank's exception (TORCHELASTIC_ERROR_FILE, written by runtime/error_file.py)
+RANK_STDOUT = "stdout.log"
+RANK_STDERR = "stderr.log"
+
 # RUN_DIR/reports/ (and RUN_DIR/live/BREAKDOWN)
 BREAKDOWN = "breakdown.json"  # the evidence: per-rank step phases, env, wall times, GPU busy
 BOTTLENECK = "bottleneck.md"  # the bottleneck report for people
@@ -55,7 +60,7 @@ LAYOUT = (
     (FATAL, "a failure no restart can fix (NaN, full disk): restarts stop; cleared by the next launch"),
     (LOCK, "the launch that runs here now (removed when it ends)"),
     (f"{CHECKPOINTS}/step-00000050/", "one checkpoint per saved step (see below)"),
-    (f"{LOGS}/<rdzv-id>_*/attempt_<n>/<local rank>/", "stdout.log, stderr.log, error.json (torchelastic)"),
+    (f"{LOGS}/<rdzv-id>_*/attempt_<n>/<local rank>/", f"{RANK_STDOUT}, {RANK_STDERR}, {RANK_ERROR} (torchelastic)"),
     (f"{LAUNCHES}/<timestamp>/", f"{RECIPE}, {RESOLVED_RECIPE}, {COMMAND} (trainkit + torchrun command), "
                                  f"{ENVIRONMENT} (secret-looking variables keep their name, not their value), "
                                  f"{FAILURE} (why it failed)"),

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..run_dir import RANK_ERROR, RANK_STDERR, RANK_STDOUT
 from ..runtime.checkpoint_layout import disk_full_message, disk_too_full, failed_save
 
 COLLATERAL = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "Broken pipe", "timed out",
@@ -69,7 +70,7 @@ def summarize(err, log_dir: Path, max_restarts: int) -> str:
     folder = _rank_folder(log_dir, first.local_rank)
     log = None
     if folder is not None:
-        for name in ("stderr.log", "stdout.log"):
+        for name in (RANK_STDERR, RANK_STDOUT):
             if (folder / name).is_file() and (folder / name).stat().st_size:
                 log = folder / name
                 break
@@ -166,14 +167,14 @@ class RestartAnnouncer(logging.Handler):
                 continue
             local_rank = json.loads(meta.get("metadata") or "{}").get("local_rank", [None])[0]
             rank_dir = folder / str(local_rank) if folder is not None and local_rank is not None else None
-            error_file = rank_dir / "error.json" if rank_dir is not None else None
+            error_file = rank_dir / RANK_ERROR if rank_dir is not None else None
             exitcode = self.failed[0] if self.failed and self.failed[2] == pid else None
             if error_file is not None and error_file.is_file():
                 cause, _ = _exception(_Failure(exitcode or 1, str(error_file)))
             else:
                 cause = _exception(_Failure(exitcode, ""))[0] if exitcode is not None else \
                     "exited without a Python exception (no error.json: os._exit, a crash or a signal)"
-                tail = _tail(rank_dir / "stderr.log", 1) if rank_dir is not None else []
+                tail = _tail(rank_dir / RANK_STDERR, 1) if rank_dir is not None else []
                 cause += f"; last line of its log: {tail[0].strip()}" if tail else ""
             collateral = any(c in cause for c in COLLATERAL)
             first = self.failed is not None and self.failed[2] == pid
