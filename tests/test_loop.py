@@ -54,6 +54,9 @@ class FakeStrategy:
         optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def loss_scale_overflow(self):
+        return None
+
     def eval_forward(self, model, x, precision):
         self.calls.append(("eval_forward",))
         return model(x)

@@ -9,6 +9,7 @@ built by the resolver; no process group is needed.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -258,3 +259,20 @@ def test_fsdp_blocks_keep_the_compute_dtype_and_only_the_root_output_is_fp32(pre
     assert [seen["blocks"][k] for k in ("1", "3", "5")] == [compute] * 3  # the three wrapped Linears
     assert seen["root"] == "torch.float32"
     assert seen["grads"] == ["torch.float32"]
+
+
+def test_loss_scaling_overflow_steps_are_skipped_not_counted_as_divergence(tmp_path):
+    """Guards fp16 + grad_clip (issue 26): a step the GradScaler skips for inf gradients has an inf
+    clipped norm by design (torch documents early overflows as expected); the non-finite guard counted
+    it and stopped the run (NonFiniteError). A scale so large that every step overflows: the run
+    finishes and logs no inf gradient norm."""
+    path = mlp_recipe(tmp_path, "overflow", precision="fp16", launch={"nproc_per_node": 1},
+                      trainer={"max_steps": 3, "log_every": 1, "loss_scale": 1.0e30, "grad_clip": 1.0,
+                               "checkpoint": {"every": 3, "keep": 1}})
+    result = trainkit(tmp_path, "run", str(path), timeout=180)
+    assert result.returncode == 0, result.output
+    run_dir = tmp_path / "runs" / "overflow"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert not [r for r in rows if "grad_norm" in r and not math.isfinite(r["grad_norm"])]
+    assert math.isfinite(summary(run_dir)["final_loss"])

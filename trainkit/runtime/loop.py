@@ -276,10 +276,11 @@ class Loop:
             self.monitors.call("on_step_end", self.state.step, times)
             self.state.samples += global_batch
             step = self.state.step
+            overflow = None if self.skipped else self.strategy.loss_scale_overflow()
             if self.skipped:
                 self._count_skip(step)
             else:
-                self.guard.observe(step, loss, grad_norm)
+                self.guard.observe(step, loss, grad_norm, overflow)
             if self.progress and self.progress.due(step):  # .item() syncs the device: a live bar, rate-limited
                 self.progress.update(step, loss.item())
             last = step == t.max_steps
@@ -288,8 +289,8 @@ class Loop:
                 metrics = {**self.interval_loss(),
                            "lr": self.optimizer.param_groups[0]["lr"], "epoch": self.state.epoch,
                            "samples_per_s": self.progress.rate(step) if self.progress else 0.0}
-                if grad_norm is not None:
-                    metrics["grad_norm"] = float(grad_norm)
+                if grad_norm is not None and not (overflow is not None and bool(overflow)):
+                    metrics["grad_norm"] = float(grad_norm)  # a loss-scaling overflow step's norm is inf
                 metrics.update(self.task.log_metrics(metrics))  # e.g. perplexity, tokens/s
                 metrics.update(self.stats.interval_means())  # step_time_s, data_wait_s (this rank)
                 if self.eval_loader is not None and t.eval_every and (step % t.eval_every == 0 or last):

@@ -35,12 +35,18 @@ class NonFiniteGuard:
         # first bad optimizer step of [loss, grad_norm], stored as NEVER - step so MAX over ranks gives the MIN step
         self._first_bad = torch.zeros(2, dtype=torch.int64, device=device)
 
-    def observe(self, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> None:
-        """Fold this step's values in, on the device (no sync)."""
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor],
+                overflow: Optional[torch.Tensor] = None) -> None:
+        """Fold this step's values in, on the device (no sync). `overflow` (nonzero: the fp16 loss
+        scaler skipped this step) excuses an inf gradient norm: that step changed nothing."""
         values = [loss.detach().float().reshape(()).to(self.device),
                   (grad_norm.detach().float().reshape(()).to(self.device) if grad_norm is not None
                    else torch.zeros((), device=self.device))]
         bad = ~torch.isfinite(torch.stack(values))
+        if overflow is not None:
+            excused = torch.stack([torch.zeros((), dtype=torch.bool, device=self.device),
+                                   overflow.reshape(()).to(self.device) > 0])
+            bad = bad & ~excused
         fresh = bad & (self._first_bad == 0)
         self._first_bad = torch.where(fresh, torch.full_like(self._first_bad, NEVER - step), self._first_bad)
 

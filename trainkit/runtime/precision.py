@@ -47,6 +47,9 @@ class Precision:
         self.dtype = DTYPES[name]
         self.fixed_scale: Optional[float] = None
         self.scaler: Optional[torch.amp.GradScaler] = None
+        # after step(): nonzero when the scaler found inf/NaN gradients and skipped the step (a device
+        # tensor, read without a sync); None without a scaler
+        self.overflow: Optional[torch.Tensor] = None
         if name == "fp16" and loss_scale is not None and scaler:
             if loss_scale == "dynamic":
                 self.scaler = torch.amp.GradScaler(device.type)
@@ -79,6 +82,11 @@ class Precision:
         dynamic backs off or grows, fixed is put back to its value."""
         if self.scaler:
             self.scaler.step(optimizer)
+            # what step() decided, kept before update() forgets it: torch documents these early
+            # overflows as expected (amp/grad_scaler.py), so the loop must not count them as divergence.
+            # _found_inf_per_device is the scaler's own record of them (no public accessor exists).
+            found = self.scaler._found_inf_per_device(optimizer)
+            self.overflow = sum(v.to(self.device) for v in found.values()) if found else None
             self.scaler.update(new_scale=self.fixed_scale)  # None: torch's dynamic update
         else:
             optimizer.step()

@@ -126,6 +126,11 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def loss_scale_overflow(self) -> Optional[torch.Tensor]:
+        """After `optimizer_step`: nonzero when fp16 loss scaling found inf/NaN gradients and skipped
+        the step (its gradient norm is then inf by design, not a divergence); None without scaling."""
+        return getattr(self.precision, "overflow", None)
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

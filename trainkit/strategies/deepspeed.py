@@ -13,7 +13,7 @@ import copy
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -131,10 +131,15 @@ class DeepSpeedStrategy(Strategy):
 
     def optimizer_step(self, model, optimizer, precision, max_norm):
         model.step()  # clipping (gradient_clipping), loss scaling, step and zero_grad happen inside
+        # DeepSpeed's fp16 optimizers record a skipped overflow step as `overflow` (a Python bool)
+        self._overflow = torch.tensor(float(bool(getattr(model.optimizer, "overflow", False))))
         if not max_norm:
             return None
         norm = model.get_global_grad_norm()
         return None if norm is None else torch.as_tensor(float(norm))
+
+    def loss_scale_overflow(self) -> Optional[torch.Tensor]:
+        return getattr(self, "_overflow", None)
 
     def eval_forward(self, model, x, precision):
         return model(self._cast(x)).float()
