@@ -733,9 +733,9 @@ def _sync_one(run_dir) -> int:
         if holder:
             print(f"trainkit: {run_dir}: the run is still open: a launch is running ({describe(holder)})")
         else:
-            from .launch.launcher import finalize_dead_launch
+            from .launch.launcher import close_run_left_open
 
-            closed = finalize_dead_launch(run_dir, announce=False)
+            closed = close_run_left_open(run_dir, announce=False)
     pending, error = deliver(run_dir)
     state = spool.state()
     if pending:

@@ -71,8 +71,9 @@ def _environment() -> dict:
     return env
 
 
-def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tuple[Path, Path]:
-    """Create RUN_DIR and this launch's record; returns (run_dir, launch_dir)."""
+def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str], start_fresh: bool) -> tuple[Path, Path]:
+    """Create RUN_DIR and this launch's record; returns (run_dir, launch_dir). `start_fresh` (the
+    resume decision for `resume: never`): the previous checkpoints and MLflow spool are set aside."""
     import yaml
 
     recipe = resolved.recipe
@@ -89,12 +90,12 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str]) -> tup
             launch_dir = run_dir / LAUNCHES / f"{stamp}-{n}"
     clear_fatal(run_dir)  # a new launch is a deliberate retry
     ckpts = run_dir / CHECKPOINTS
-    if recipe.trainer.resume == "never" and ckpts.is_dir() and any(ckpts.iterdir()):
+    if start_fresh and ckpts.is_dir() and any(ckpts.iterdir()):
         aside = run_dir / f"{CHECKPOINTS}.before-{launch_dir.name}"
         ckpts.rename(aside)
         print(f"trainkit: resume: never: moved the previous checkpoints to {aside}")
     spool = run_dir / TRACKING
-    if recipe.trainer.resume == "never" and spool.is_dir():
+    if start_fresh and spool.is_dir():
         spool.rename(run_dir / f"{TRACKING}.before-{launch_dir.name}")  # a fresh MLflow run
     source = resolved.redact_text(recipe_path + (" " + " ".join(overrides) if overrides else ""))
     composed = ("# Composed by trainkit from " + source + "\n# ${oc.env:...} references are resolved by each "
@@ -141,7 +142,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
             print(f"trainkit: warning: took over the lock of a previous launch ({describe(got.previous or {})}): "
                   f"{got.reason}", file=sys.stderr, flush=True)
         if got.how != "joined":  # we are the only launch here: a run left open by a dead one is closed now
-            finalize_dead_launch(lock.folder, announce=True)
+            close_run_left_open(lock.folder, announce=True)
         return _launch(resolved, recipe_path, overrides, accept_changes,
                        tracking_job=lock.job if detected.found else None,
                        wait_for_run_s=60.0 if detected.values.get("node_rank") not in (None, 0) else 0.0)
@@ -187,12 +188,12 @@ def _check_before_launch(resolved, recipe_path: str) -> int:
 def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes: bool,
             tracking_job: Optional[str] = None, wait_for_run_s: float = 0.0) -> int:
     recipe = resolved.recipe
-    from . import resume_check  # torch (checkpoint files): imported where the work is
+    from ..runtime.resume import decide_at_launch  # torch (checkpoint files): imported where the work is
 
-    decision = resume_check.decide(resolved, run_dir_for(recipe), accept_changes)
+    decision = decide_at_launch(resolved, run_dir_for(recipe), accept_changes)
     if decision.exit_code is not None:
         return decision.exit_code
-    run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides)
+    run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides, decision.start_fresh)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarts are flaky without it (pytorch#135712)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's C++ chatter is not for the console
     os.environ["TRAINKIT_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
@@ -282,12 +283,13 @@ def latest_launch(run_dir: Path) -> Optional[Path]:
     return max(launches, key=lambda p: (p / COMMAND).stat().st_mtime) if launches else None
 
 
-def finalize_dead_launch(run_dir: Path, announce: bool) -> Optional[str]:
-    """Close the MLflow run a dead launch left RUNNING (its status from what the run dir proves)."""
+def close_run_left_open(run_dir: Path, announce: bool) -> Optional[str]:
+    """Close the MLflow run a dead launch left RUNNING (its status from what the run dir proves),
+    and deliver."""
     if not (run_dir / TRACKING).is_dir():
         return None
     launch_dir = latest_launch(run_dir)
-    status = tracking.finalize_dead_launch(run_dir, launch_dir, completed(run_dir, launch_dir))
+    status = tracking.close_dead_launch_run(run_dir, launch_dir, completed(run_dir, launch_dir))
     if status:
         deliver(run_dir)  # best effort now; what fails waits in the spool for the next delivery
         if announce:

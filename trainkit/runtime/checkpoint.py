@@ -1,4 +1,4 @@
-"""Atomic, verifiable checkpoints and the choice of where to resume.
+"""Atomic, verifiable checkpoints (which one a run resumes from is decided in runtime/resume.py).
 
 Layout: RUN_DIR/checkpoints/step-00000008/ holding the strategy's model/optimizer files,
 `trainer.pt` (step, epoch, position in the epoch, scheduler, scaler, recipe hash), one
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .checkpoint_layout import PREFIX, TMP, disk_full_message, disk_too_full, folder_bytes, step_folders, step_of
 from .files import fsync_dir, fsync_save, sha256_file
@@ -109,45 +108,6 @@ def newest_valid(ckpt_dir: Path, warn: bool = True) -> Optional[Path]:
         if warn:
             print(f"trainkit: warning: skipping checkpoint {folder}: {why}", file=sys.stderr, flush=True)
     return None
-
-
-def decide_resume(strategy, resume: str, ckpt_dir: Path, restart_count: int) -> Optional[Path]:
-    """Where every rank resumes from, decided ONCE: rank 0 hashes the checkpoints and picks, then
-    broadcasts its choice (or its error), so no two ranks can pick differently and nothing is
-    renamed while another rank is still reading. A skipped corrupt newest checkpoint is announced."""
-    decision: list = [None]
-    if strategy.rank == 0:
-        try:
-            source = resume_source(resume, ckpt_dir, restart_count, warn=True)
-            skipped = [f for f in step_folders(ckpt_dir) if source is None or step_of(f) > step_of(source)]
-            if skipped and (restart_count > 0 or resume == "auto"):
-                where = f"from {source.name}" if source is not None else "from step 0 (no intact checkpoint)"
-                print(f"trainkit: resuming {where}: the newer checkpoint(s) {', '.join(f.name for f in skipped)} "
-                      f"cannot be used (see the warning above)", file=sys.stderr, flush=True)
-            decision[0] = ("ok", str(source) if source is not None else None)
-        except Exception as exc:
-            decision[0] = ("error", f"{type(exc).__name__}: {exc}")
-    if strategy.world_size > 1:
-        dist.broadcast_object_list(decision, src=0)
-    kind, value = decision[0]
-    if kind == "error":
-        raise FileNotFoundError(value)
-    return Path(value) if value is not None else None
-
-
-def resume_source(resume: str, ckpt_dir: Path, restart_count: int, warn: bool) -> Optional[Path]:
-    """Where to resume from. After a torchrun restart, always this run's own newest checkpoint."""
-    if restart_count > 0 or resume == "auto":
-        own = newest_valid(ckpt_dir, warn=warn)
-        if own is not None or resume in ("auto", "never"):
-            return own
-    if resume == "never":
-        return None
-    path = Path(resume).expanduser()
-    why = problem_with(path) if path.is_dir() else "no such folder"
-    if why:
-        raise FileNotFoundError(f"trainer.resume: cannot resume from {path}: {why}")
-    return path
 
 
 # --------------------------------------------------------------------------- a full disk

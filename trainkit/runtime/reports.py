@@ -1,8 +1,8 @@
 """What rank 0 leaves behind when training ends: summary.json, the bottleneck reports, and the
 console lines that point to them.
 
-Its own module because it is the one runtime piece that reads the monitors' analysis (it sits with
-the worker in layer 5, README "Layout"): the worker builds and trains, this writes the result.
+Its own module because writing the result is not building the rank: the worker builds and trains,
+this turns the loop's summary and `trainkit.analysis`' diagnosis into the run's files.
 """
 
 from __future__ import annotations

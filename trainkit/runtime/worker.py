@@ -32,8 +32,8 @@ from ..recipe.schema import Recipe
 from ..run_dir import CHECKPOINTS, METRICS, RECIPE
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
-from . import accepted_changes, error_file, fatal
-from .checkpoint import Checkpointer, DiskFullError, decide_resume, saved_recipe
+from . import accepted_changes, error_file, fatal, resume
+from .checkpoint import Checkpointer, DiskFullError, saved_recipe
 from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
@@ -91,7 +91,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     set_backend_flags(recipe.performance)  # tf32 (MFU's peak), cudnn.benchmark
     strategy_cls = registry.component(recipe.strategy)
     precision = Precision(recipe.precision, device, recipe.trainer.loss_scale,
-                          scaler=not strategy_cls.owns_loss_scaling)  # DeepSpeed scales the loss itself
+                          scaler=not recipe.strategy.capabilities().owns_loss_scaling)  # DeepSpeed scales the loss itself
     strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe)
     model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
     model = prepare_model(model, recipe.performance)  # SyncBatchNorm, channels_last: before wrapping
@@ -119,9 +119,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     forward_marks = ForwardMarks(model, clock) if any(type(m).needs_forward_time for m in recipe.monitors) else None
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart:
-        fatal.raise_if_restart_would_repeat(run_dir, ckpt_dir)  # restarting cannot fix it
-    source = decide_resume(strategy, recipe.trainer.resume, ckpt_dir, restart)
+    source = resume.decide_on_ranks(strategy, run_dir, ckpt_dir, recipe.trainer.resume, restart)
     state = TrainState()
     if source is not None:
         state = restore_trainer_state(checkpointer.load(source, model, optimizer), scheduler, precision)

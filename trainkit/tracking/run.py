@@ -249,9 +249,9 @@ def open_status(run_dir: Path) -> Optional[str]:
     return status
 
 
-def finalize_dead_launch(run_dir: Path, launch_dir: Optional[Path], finished: bool) -> Optional[str]:
-    """Close the MLflow run of a launch that died without closing it (SIGKILL, OOM killer, power
-    loss): FINISHED when the run directory proves it completed (`finished`: summary.json written
+def close_dead_launch_run(run_dir: Path, launch_dir: Optional[Path], finished: bool) -> Optional[str]:
+    """Spool the end of the MLflow run of a launch that died without closing it (SIGKILL, OOM killer,
+    power loss): FINISHED when the run directory proves it completed (`finished`: summary.json written
     by that launch), else KILLED with the reason. Only spools the records; the caller delivers.
     Returns the status set, or None when the run was not left open."""
     if open_status(run_dir) != "RUNNING":
