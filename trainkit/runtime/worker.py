@@ -7,7 +7,11 @@ the process group,
 builds every component from the recipe, runs the loop, and always leaves the group cleanly.
 
 This module is the composition root of one rank: it builds every collaborator and hands them to
-`Loop` at construction.
+`Loop` at construction. What a rank does besides building has a module of its own beside it:
+`resume` (which checkpoint every rank starts from), `accepted_changes` (changed hyperparameters
+taking effect on resume), `fatal` (the marker that stops a restart from repeating a failure),
+`reports` (summary.json and the bottleneck reports), `error_file` (a failed rank's report, secrets
+masked) and `parent_watch` (dying with the launcher).
 """
 
 from __future__ import annotations
