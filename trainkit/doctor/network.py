@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ..processes import CLI
 from .check import Check, failed, passed, warned
 
 MASTER_PORT = 29500  # torchrun's --master-port default (static rendezvous, plain torch.distributed)
@@ -101,7 +102,7 @@ def _holder(port: int) -> str:
 
 
 # the programs or modules another node of the same job runs as (torchrun's agent, trainkit's launcher)
-_JOB_PROGRAMS = frozenset({"torchrun", "trainkit", "torch.distributed.run", "trainkit.cli"})
+_JOB_PROGRAMS = frozenset({"torchrun", "trainkit", "torch.distributed.run", CLI})
 
 
 def _foreign_listener(port: int) -> bool:
