@@ -164,3 +164,18 @@ def test_the_host_allocator_is_tried_against_the_strategys_own_choice(tmp_path):
     knob = tune_knobs.all_knobs()["host_allocator"]
     gpu_recipe = resolve(str(ddp)).recipe
     assert "CUDA's caching allocator" in tune_knobs.not_applicable(knob, gpu_recipe, {"cuda": True})
+
+
+def test_the_tuned_recipe_comments_each_changed_key_by_its_place_in_the_document():
+    """Comments go beside the key found by its path (not by matching text), and beside no value that
+    spans lines: a multi-line value's comment goes on top, and the document still loads as written."""
+    from trainkit.launch import tune_yaml
+
+    raw = {"data": {"batch_size": 8, "num_workers": 0}, "notes": {"num_workers": "a\nb"}, "name": "x"}
+    text = tune_yaml.with_changes(raw, {"data.num_workers": 2, "notes.num_workers": "c\nd"},
+                                  {"data.num_workers": "was 0", "notes.num_workers": "was a b"}, ["header"])
+    assert text.startswith("# header\n# notes.num_workers: was a b\n")
+    assert "  num_workers: 2  # was 0\n" in text and text.count("# was 0") == 1
+    assert yaml.safe_load(text) == {"data": {"batch_size": 8, "num_workers": 2}, "notes": {"num_workers": "c\nd"},
+                                    "name": "x"}
+    assert raw["data"]["num_workers"] == 0  # the recipe as given is not changed
