@@ -77,3 +77,23 @@ def test_delivery_resumes_from_its_byte_offset_instead_of_rereading_the_spool(tm
     assert deliver(tmp_path / "run") == (0, None)
     steps = [m.step for m in MlflowClient(uri).get_metric_history(state["run_id"], "loss")]
     assert steps == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_spool_cut_before_what_was_delivered_still_delivers_what_is_appended_after_the_cut(tmp_path):
+    """A crash cut the spool inside records already delivered; a later launch appends to it. Delivery
+    used to resume at the old offset (past the end, or inside the new records) and skip them."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spool = _spool_run(tmp_path / "run", uri, 5)
+    assert deliver(tmp_path / "run") == (0, None)
+    size = spool.path.stat().st_size
+    with open(spool.path, "r+b") as fh:
+        fh.truncate(size - 60)  # inside the FINISHED record and the last point, both delivered
+    spool.append([{"op": "status", "status": "RUNNING", "ts": 3},
+                  {"op": "metric", "key": "loss", "value": 0.1, "ts": 5000, "step": 5},
+                  {"op": "status", "status": "KILLED", "ts": 4}])
+    assert deliver(tmp_path / "run") == (0, None)
+    client = MlflowClient(uri)
+    run_id = spool.state()["run_id"]
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1, 2, 3, 4, 5]
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert spool.state()["tears"] == [{"at": size - 60, "before_delivered": 60}]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+EXIT_LOST = 3  # `trainkit sync`: delivered, but a torn spool lost records (retrying will not bring them back)
 
 
 def _positive(text: str) -> int:
@@ -281,7 +282,9 @@ ssh -L 5000:127.0.0.1:5000 gpu-node   # then, on gpu-node: trainkit ui""")
 
     p = _command(sub, "sync", "deliver a run's spooled tracking records (after a server outage)",
                  "Deliver the tracking records a run spooled while its MLflow server was unreachable; a run whose "
-                 "launch died without closing it is closed too (FINISHED if it completed, else KILLED).",
+                 "launch died without closing it is closed too (FINISHED if it completed, else KILLED). A spool "
+                 "torn by a crash is reported (what it lost) and repaired from the run directory. Exit 1 if "
+                 "records are still pending, 2 if a folder has no spool, 3 if a torn spool lost records.",
                  """
 trainkit sync runs/resnet152-ddp
 trainkit sync runs/ddp-mlp.tune-20261122-101500/parent runs/ddp-mlp.tune-20261122-101500/trials/*""")
@@ -706,7 +709,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
 def cmd_sync(args: argparse.Namespace) -> int:
     """Deliver what each spool holds; a run whose launch died without closing it (no live holder of
     RUN_DIR/launch.lock) is closed too: FINISHED if summary.json proves it completed, else KILLED.
-    Exit 2 if a folder has no spool (nothing delivered), 1 if records are still pending anywhere."""
+    A spool torn by a crash is repaired from the run directory and what it lost reported (tracking/recovery.py).
+    Exit 2 if a folder has no spool (nothing delivered), 1 if records are still pending anywhere, 3 if
+    everything left was delivered but a torn spool lost records."""
     from pathlib import Path
 
     from .tracking.spool import Spool
@@ -717,32 +722,53 @@ def cmd_sync(args: argparse.Namespace) -> int:
             print(f"trainkit: {d} has no tracking spool (tracking/spool.jsonl)", file=sys.stderr)
         return EXIT_INVALID
     codes = [_sync_one(Path(d)) for d in args.run_dirs]
-    return EXIT_FAILED if EXIT_FAILED in codes else EXIT_OK
+    return next((code for code in (EXIT_FAILED, EXIT_LOST) if code in codes), EXIT_OK)
 
 
 def _sync_one(run_dir) -> int:
     from .launch.lock import describe, holder_alive
+    from .tracking import recovery
     from .tracking.delivery import deliver
     from .tracking.run import open_status
     from .tracking.spool import Spool
 
     spool = Spool(run_dir)
-    closed = None
-    if open_status(run_dir) == "RUNNING":
-        holder = holder_alive(run_dir)
-        if holder:
+    holder = holder_alive(run_dir)
+    if holder:
+        if open_status(run_dir) == "RUNNING":
             print(f"trainkit: {run_dir}: the run is still open: a launch is running ({describe(holder)})")
-        else:
-            from .launch.launcher import close_run_left_open
+    else:  # nobody appends: a record cut mid-line is a tear, not an append in flight
+        recovery.repair(run_dir)
+        if open_status(run_dir) == "RUNNING":
+            from .launch.launcher import close_run_left_open, completed, latest_launch
 
-            closed = close_run_left_open(run_dir, announce=False)
+            if spool.state().get("tears"):
+                launch_dir = latest_launch(run_dir)
+                recovery.close_left_open(run_dir, launch_dir, completed(run_dir, launch_dir))
+            else:
+                closed = close_run_left_open(run_dir, announce=False)
+                if closed:
+                    recovery.expect_status(run_dir, closed, "the launch that wrote it died without closing its run")
     pending, error = deliver(run_dir)
     state = spool.state()
+    losses, lost = recovery.report(run_dir)
+    for line in losses:
+        print(f"trainkit: {run_dir}: {line}", file=sys.stderr)
     if pending:
         print(f"trainkit: {run_dir}: {pending} record(s) still pending: {error}", file=sys.stderr)
         return EXIT_FAILED
-    if closed:
-        print(f"trainkit: the launch that wrote {run_dir} died without closing its run: marked {closed}")
+    closing = recovery.closed(run_dir)  # a status this sync spooled is announced once the server holds it
+    if closing:
+        status, why, seen = closing
+        if seen != status:
+            print(f"trainkit: {run_dir}: {why}: {status} was delivered, but the server shows the run "
+                  f"{seen or 'unreachable'}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"trainkit: {run_dir}: {why}: marked {status}")
+    if lost:
+        print(f"trainkit: {run_dir}: what is left was delivered to run {state.get('run_id')} in {state.get('uri')}, "
+              f"but records were lost (above)", file=sys.stderr)
+        return EXIT_LOST
     print(f"trainkit: {run_dir}: all tracking records delivered to run {state.get('run_id')} in {state.get('uri')}")
     return EXIT_OK
 

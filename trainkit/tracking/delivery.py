@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ..recipe.secrets import mask_uri_credentials
 from . import credentials
-from .spool import Spool
+from .spool import Spool, note_tear
 
 # Fail fast instead of MLflow's default minutes of retries: the spool keeps what fails.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -84,6 +84,10 @@ def deliver(run_dir: Path) -> tuple[int, Optional[str]]:
         if not mine:
             return spool.pending_count(), None  # another process is delivering right now
         state = spool.state()
+        cut = spool.realign(state)  # the spool was cut before what was delivered: resume after the cut
+        if cut:
+            note_tear(state, cut)
+            spool.save_state(state)
         records, ends = spool.pending(state)
         if not records:
             return 0, None
@@ -171,6 +175,13 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             client.log_artifacts(run_id, str(path), chunk[0].get("dir"))
         elif path.is_file():
             client.log_artifact(run_id, str(path), chunk[0].get("dir"))
+    elif op == "recover":  # points a torn spool lost, read back from metrics.jsonl: the steps the run lacks
+        points = [Metric(k, float(v), int(ts), int(s)) for k, v, ts, s in chunk[0]["points"]]
+        sent = _missing_steps(client, run_id, points)
+        for i in range(0, len(sent), MAX_METRICS):
+            client.log_batch(run_id, metrics=sent[i:i + MAX_METRICS], synchronous=True)
+        state["recovered"] = sorted(set(state.get("recovered", [])) | {p.step for p in sent})
+        state["recovered_points"] = state.get("recovered_points", 0) + len(sent)
     elif op == "link":  # a tag naming another spooled run (a tune trial's parent): known once that one exists
         client.set_tag(run_id, chunk[0]["tag"], _linked_run_id(Path(chunk[0]["run_dir"])))
     elif op == "status":
@@ -248,6 +259,24 @@ def _supersede(client, old_id: str, record: dict, uncertain: bool) -> str:
                      synchronous=True)
     client.set_terminated(old_id, "KILLED", end_time=record.get("ts"))
     return new_id
+
+
+def _missing_steps(client, run_id: str, points: list) -> list:
+    """The points whose (key, step) the run holds no value for: one value per (key, step), whatever
+    the timestamp of a point re-sent from another record of it."""
+    held = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in {p.key for p in points}}
+    return [p for p in points if p.step not in held[p.key]]
+
+
+def server_status(run_dir: Path) -> Optional[str]:
+    """The status the tracking server holds for the spool's run (None: no run yet, or unreachable)."""
+    state = Spool(run_dir).state()
+    if not state.get("run_id"):
+        return None
+    try:
+        return client_for(state["uri"]).get_run(state["run_id"]).info.status
+    except Exception:
+        return None
 
 
 def _not_yet_logged(client, run_id: str, points: list) -> list:

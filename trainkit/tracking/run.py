@@ -170,6 +170,15 @@ def verdict_tags(run_dir: Path) -> dict[str, str]:
         return {}
 
 
+def run_artifacts(run_dir: Path, launch_dir: Optional[Path]) -> list[dict[str, Any]]:
+    """The artifact records of the files a run directory and its launch's folder hold at the end."""
+    files = [(run_dir / RECIPE, None), (run_dir / RESOLVED_RECIPE, None), (summary_path(run_dir), None),
+             (run_dir / REPORTS, "reports"), (run_dir / PROFILER, "profiler")]
+    if launch_dir is not None:
+        files += [(launch_dir / name, f"launches/{launch_dir.name}") for name in (COMMAND, ENVIRONMENT, FAILURE)]
+    return [{"op": "artifact", "path": str(p), "dir": d} for p, d in files if p.exists()]
+
+
 def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
               extra_artifacts: Sequence[tuple[Path, Optional[str]]] = (), extra_tags: Optional[dict] = None,
               timeout: float = 30.0) -> str:
@@ -181,13 +190,7 @@ def close_run(run_dir: Path, launch_dir: Path, status: str, reason: str,
     spool = Spool(run_dir)
     if not spool.records():
         return ""
-    records = [{"op": "artifact", "path": str(p), "dir": d} for p, d in (
-        (run_dir / RECIPE, None), (run_dir / RESOLVED_RECIPE, None),
-        (launch_dir / COMMAND, f"launches/{launch_dir.name}"),
-        (launch_dir / ENVIRONMENT, f"launches/{launch_dir.name}"), (summary_path(run_dir), None),
-        (launch_dir / FAILURE, f"launches/{launch_dir.name}"), (run_dir / REPORTS, "reports"),
-        (run_dir / PROFILER, "profiler"),
-    ) if p.exists()]
+    records = run_artifacts(run_dir, launch_dir)
     records += [{"op": "artifact", "path": str(p), "dir": d} for p, d in extra_artifacts if Path(p).exists()]
     tags = {**verdict_tags(run_dir), **(extra_tags or {}), "trainkit.status_reason": reason[:5000]}
     records.append({"op": "tags", "tags": tags})

@@ -100,6 +100,65 @@ class Spool:
                 ends.append(offset)
         return out, ends
 
+    def torn_lines(self, start: int = 0) -> list[tuple[int, bytes]]:
+        """(byte offset where the record was cut, what is left of it) for every line from `start`
+        that is not a record: a crash cut it mid-record and a later append (or `trainkit sync`)
+        ended it with a newline."""
+        if not self.path.exists():
+            return []
+        out, offset = [], 0
+        with open(self.path, "rb") as fh:
+            for line in fh:
+                begin, offset = offset, offset + len(line)
+                if begin < start or not line.endswith(b"\n"):
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError:
+                    out.append((offset - 1, line[:-1]))
+        return out
+
+    def end_torn_tail(self) -> Optional[int]:
+        """End a last record cut mid-line (a crash while appending) with a newline, making it a torn
+        line of its own; returns the byte where it was cut (None when the spool ends whole). Only
+        with no process appending: an append in flight lacks its newline for a moment too."""
+        if not self.path.exists():
+            return None
+        with self._locked("append"):
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+            try:
+                size = os.fstat(fd).st_size
+                if not size or os.pread(fd, 1, size - 1) == b"\n":
+                    return None
+                os.write(fd, b"\n")
+                os.fsync(fd)
+                return size
+            finally:
+                os.close(fd)
+
+    def realign(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Delivery resumes at state["offset"]. If the spool was cut before it (a crash while
+        appending, a disk that lost its tail), that offset lies past the end or inside a record, and
+        reading from it would skip every record appended after the cut. Move it (and the delivered
+        count) to the line after the cut -- the last torn line before the offset, else the end --
+        and return the cut {"at": byte, "before_delivered": bytes} (None when the offset is sound)."""
+        offset = state.get("offset")
+        if not offset or not self.path.exists():
+            return None
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if offset <= size:
+                fh.seek(offset - 1)
+                if fh.read(1) == b"\n":
+                    return None
+            fh.seek(0)
+            head = fh.read()
+        torn = [at for at, _ in self.torn_lines() if at < offset]
+        resume = torn[-1] + 1 if torn else head.rfind(b"\n", 0, min(offset, size)) + 1
+        at = torn[-1] if torn else min(offset, size)
+        state.update(offset=resume, delivered=head[:resume].count(b"\n"), uncertain=True)
+        return {"at": at, "before_delivered": offset - at}
+
     def state(self) -> dict[str, Any]:
         try:
             return json.loads(self.state_path.read_text())
@@ -135,6 +194,17 @@ class Spool:
     def delivery_lock(self):
         """Only one process delivers at a time (non-blocking: yields False if another one is)."""
         return self._locked("deliver", blocking=False)
+
+
+def note_tear(state: dict[str, Any], tear: dict[str, Any]) -> None:
+    """Remember a cut in state["tears"] (one entry per cut byte), so every later `trainkit sync`
+    still reports what it lost."""
+    tears = state.setdefault("tears", [])
+    known = next((t for t in tears if t["at"] == tear["at"]), None)
+    if known is None:
+        tears.append(dict(tear))
+    else:
+        known.update({k: v for k, v in tear.items() if v is not None})
 
 
 def run_id(run_dir: Path) -> Optional[str]:
