@@ -1,5 +1,6 @@
 """The tracking spool delivers every record to MLflow once, in order, and keeps what it cannot send."""
 
+import json
 import socket
 import time
 
@@ -97,3 +98,30 @@ def test_a_spool_cut_before_what_was_delivered_still_delivers_what_is_appended_a
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1, 2, 3, 4, 5]
     assert client.get_run(run_id).info.status == "KILLED"
     assert spool.state()["tears"] == [{"at": size - 60, "before_delivered": 60}]
+
+
+def test_a_record_torn_mid_spool_is_reported_and_its_points_come_back_from_metrics_jsonl(tmp_path):
+    """A crash tore step 2's metric record; the job went on appending. Delivery skipped the torn line
+    and the run silently lacked step 2; now the tear is reported and metrics.jsonl fills the gap."""
+    from trainkit.tracking import recovery
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_dir = tmp_path / "run"
+    spool = _spool_run(run_dir, uri, 2)  # steps 0, 1 and FINISHED
+    with open(spool.path, "ab") as fh:
+        fh.write(b'{"op":"metric","key":"loss","val')  # power lost mid-line
+    torn_at = spool.path.stat().st_size
+    spool.append([{"op": "metric", "key": "loss", "value": 0.25, "ts": 3000, "step": 3}])
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "time": 1 + s / 1000, "loss": 1.0 / (s + 1)}) + "\n" for s in range(4)))
+    recovery.repair(run_dir)
+    assert deliver(run_dir) == (0, None)
+    history = MlflowClient(uri).get_metric_history(spool.state()["run_id"], "loss")
+    assert sorted((m.step, m.value) for m in history) == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25)]  # each once
+    lines, lost = recovery.report(run_dir)
+    assert lost and lines == [f"the tracking spool was torn at byte {torn_at} (a record cut mid-line: a crash "
+                              f"while appending); one metric record in it is lost",
+                              "steps 2 (1 metric point(s)) re-sent from metrics.jsonl"]
+    recovery.repair(run_dir)  # a second sync finds nothing new and sends nothing twice
+    assert deliver(run_dir) == (0, None)
+    assert len(MlflowClient(uri).get_metric_history(spool.state()["run_id"], "loss")) == 4
