@@ -63,12 +63,14 @@ def set_backend_flags(perf: PerformanceOptions) -> None:
     torch.backends.cudnn.benchmark = perf.cudnn_benchmark
 
 
-def prepare_model(model: nn.Module, perf: PerformanceOptions) -> nn.Module:
+def prepare_model(model: nn.Module, perf: PerformanceOptions, *, contiguous_parameters: bool = False) -> nn.Module:
     """Model-wide conversions before the strategy wraps the model: SyncBatchNorm (DDP only, checked
-    before launch) and the channels_last memory format of 4-D parameters."""
+    before launch) and the channels_last memory format of 4-D parameters -- unless the strategy keeps
+    parameters contiguous (FSDP, ZeRO: `Capabilities.contiguous_parameters`), where the inputs alone
+    are channels_last (FSDP refuses non-contiguous parameters)."""
     if perf.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if perf.channels_last:
+    if perf.channels_last and not contiguous_parameters:
         model = model.to(memory_format=torch.channels_last)
     return model
 

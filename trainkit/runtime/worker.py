@@ -48,6 +48,7 @@ from .optim import build_optimizer, build_scheduler
 from .parent_watch import die_with_launcher
 from .performance import prepare_model, set_backend_flags
 from .precision import Precision
+from .process_group import init_process_group
 from .progress import Progress
 from .reports import write_reports, write_summary
 from .timing import Clock, CommTimer, ForwardMarks
@@ -98,7 +99,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                           scaler=not recipe.strategy.capabilities().owns_loss_scaling)  # DeepSpeed scales the loss itself
     strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe)
     model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
-    model = prepare_model(model, recipe.performance)  # SyncBatchNorm, channels_last: before wrapping
+    model = prepare_model(model, recipe.performance,  # SyncBatchNorm, channels_last: before wrapping
+                          contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters)
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
@@ -195,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    dist.init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
+    init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
         # before the model, optimizer and data allocate: glibc settings apply to later allocations
         applied_malloc = host_malloc.apply(host_malloc.for_recipe(recipe, device.type))

@@ -64,6 +64,22 @@ def ds_config_for(recipe) -> dict:
     return _merge(config, s.config)
 
 
+def match_batchnorm_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> None:
+    """bf16/fp16 engines cast parameters but keep buffers in fp32 (DeepSpeed >= 0.18), so a BatchNorm
+    would compute with low-precision weights beside fp32 running statistics, which batch_norm refuses
+    ("expected scalar type BFloat16 but found Float"). DeepSpeed's `keep_in_fp32_modules` keeps only
+    buffers, not parameters, in fp32; so BatchNorm statistics follow the parameters' dtype, as they did
+    under DeepSpeed's earlier blanket `module.bfloat16()` (docs/strategies.md states the trade)."""
+    if dtype is None:
+        return
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            for name in ("running_mean", "running_var"):
+                b = getattr(m, name, None)
+                if b is not None and b.is_floating_point():
+                    b.data = b.data.to(dtype)
+
+
 def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
@@ -84,6 +100,12 @@ class DeepSpeedStrategy(Strategy):
         module is built, so no rank ever holds the whole model."""
         if self.options.zero_stage != 3:
             return super().empty_init()
+        # zero.Init patches torch.Tensor.__new__ while the model is built; torch._dynamo, imported lazily by
+        # model code (torchvision's models), registers polyfills that check Tensor.__new__'s signature
+        # and fail on the patched one ("Signature mismatch ... tensor_pynew"). Imported first, it sees
+        # the original.
+        import torch._dynamo  # noqa: F401
+
         return _import_deepspeed().zero.Init(config_dict_or_path=ds_config_for(self.recipe))
 
     def materialize(self, model: nn.Module, seed: int) -> nn.Module:
@@ -113,6 +135,7 @@ class DeepSpeedStrategy(Strategy):
             engine.compile(compile_kwargs=compile_kwargs(compile_options))
         self.engine = engine
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.recipe.precision)
+        match_batchnorm_buffers(engine.module, self.input_dtype)
         # The scheduler steps the torch optimizer's param_groups, which the ZeRO optimizer shares.
         return engine, optimizer
 

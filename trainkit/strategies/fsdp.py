@@ -58,6 +58,14 @@ def mixed_precision_policy(precision_name: str, *, root: bool = False):
                                 output_dtype=torch.float32 if root else None)
 
 
+def batchnorm_policy():
+    """fp32 parameters and gradient reduction, the input left in the compute dtype (mixed-dtype
+    batch_norm: low-precision input, fp32 weights and statistics)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str,
                performance: Optional[PerformanceOptions] = None) -> nn.Module:
     """Activation checkpointing and torch.compile per block (optional), fully_shard on each block,
@@ -74,6 +82,11 @@ def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str
     if options.cpu_offload:
         # pinned host memory only helps copies to a GPU: the mesh's device, not "is CUDA visible"
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    if mixed_precision_policy(precision_name).param_dtype is not None:
+        # BatchNorm in fp32, as autocast keeps it: FSDP would cast its weights to bf16/fp16 beside its fp32
+        # running statistics, which batch_norm refuses. Each its own unit (its input stays low-precision).
+        for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+            fully_shard(norm, mp_policy=batchnorm_policy(), **kwargs)
     for block in blocks_to_wrap(model, options.wrap):
         compile_module(block, performance.compile_options)
         fully_shard(block, mp_policy=mixed_precision_policy(precision_name), **kwargs)

@@ -183,12 +183,19 @@ class StageModule(nn.Module):
 
 class TracedStage(nn.Module):
     """A stage cut by the tracer (a GraphModule whose submodules keep the original qualified
-    names): the same checkpoint interface as `StageModule`."""
+    names): the same checkpoint interface as `StageModule`.
+
+    Its outputs leave in the dtype they had when traced (fp32): the next stage's receive buffers are
+    sized and typed from the trace, so a bf16 activation sent under autocast would be read as half
+    as many fp32 values -- garbage that diverges within steps (torch checks the dtype only under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL). The receiving stage's autocast casts it down again."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
         self.names = sorted({k.split(".")[0] for k in module.state_dict()})
+        # a hook on the stage module itself: the schedule runs it, not this wrapper
+        module.register_forward_hook(_outputs_as_traced)
 
     def forward(self, *args):
         return self.module(*args)
@@ -198,6 +205,17 @@ class TracedStage(nn.Module):
 
     def load_model_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state)
+
+
+def _outputs_as_traced(module, args, out):
+    return tuple(_as_traced(o) for o in out) if isinstance(out, tuple) else _as_traced(out)
+
+
+def _as_traced(value):
+    """A floating activation in fp32, the dtype the tracer recorded (it traces without autocast)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+        return value.float()
+    return value
 
 
 def example_inputs(recipe, microbatches: int) -> torch.Tensor:

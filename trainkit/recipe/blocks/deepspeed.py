@@ -38,7 +38,8 @@ class DeepSpeedOptions(StrategyOptions):
         # The engine owns the optimizer step and fp16 loss scaling (ds_config's fp16.loss_scale).
         # host memory: retain fragments the heap around DeepSpeed's flat buffers (bench).
         return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True,
-                            owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release")
+                            owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release",
+                            contiguous_parameters=True)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         if self.zero_stage == 0:

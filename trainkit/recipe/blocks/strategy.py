@@ -57,6 +57,9 @@ class Capabilities:
     owns_loss_scaling: the strategy scales fp16 losses itself (no torch GradScaler beside it).
     reshards_on_load: a checkpoint saved by N ranks loads on M.
     cpu_collectives: on GPUs it also runs collectives over CPU tensors (needs `cpu:gloo` beside nccl).
+    contiguous_parameters: it keeps parameters in flat contiguous storage (FSDP's shards, ZeRO's flat
+        groups), so `performance.channels_last` converts the inputs only, not the parameters (a
+        channels_last input is enough for the NHWC convolution kernels).
     host_memory_on_cpu: `performance.host_allocator: auto` on the CPU, measured per strategy
         (bench/strategies_memory.py): "retain" or "release".
     precisions: the `precision` values it trains in.
@@ -70,6 +73,7 @@ class Capabilities:
     owns_loss_scaling: bool = False
     reshards_on_load: bool = True
     cpu_collectives: bool = False
+    contiguous_parameters: bool = False
     host_memory_on_cpu: str = "retain"
     precisions: frozenset = PRECISIONS
     unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
