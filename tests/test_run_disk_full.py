@@ -144,3 +144,49 @@ def test_a_rank_s_failure_report_masks_the_recipe_s_secrets(tmp_path, monkeypatc
     assert token not in recorded and "cannot reach" in recorded and secrets.MASK in recorded
     err = capsys.readouterr().err
     assert token not in err and "rank 0 failed" in err
+
+
+def test_a_completely_full_disk_still_gets_its_fatal_marker_and_spends_no_restart(tmp_path):
+    """Issue 25, case 10: with not one byte free, fatal.json used to be created empty; every restart then
+    died on reading it (JSONDecodeError) and all restarts were spent. The launch reserves the marker's
+    blocks, so it is written whole on a full disk, and the launcher stops torchrun's agent instead of
+    letting it restart into the same failure."""
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        recipe = mlp_recipe(tmp_path, "full", data={"name": "synthetic", "batch_size": 8, "num_samples": 256,
+                                                    "shape": [3, 4, 4], "num_classes": 4, "sleep_ms": 15.0},
+                            trainer={"max_steps": 12, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
+                            launch={"nproc_per_node": 2, "run_dir": str(disk), "timeout_s": 60, "max_restarts": 3})
+        proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
+                                env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            first = disk / "full" / "checkpoints" / "step-00000004"
+            deadline = time.monotonic() + 120
+            while not (first / "meta.json").exists():
+                assert time.monotonic() < deadline and proc.poll() is None, "no first checkpoint"
+                time.sleep(0.02)
+            _fill(disk)  # not one byte left
+            out, _ = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        marker = (disk / "full" / "fatal.json").read_text()
+        assert proc.returncode != 0, out
+        import json
+
+        assert json.loads(marker)["error"] == "DiskFullError", marker  # whole, not empty
+        assert "not restarting" in out and "JSONDecodeError" not in out, out
+        assert "trainkit: restart" not in out, out  # the agent stopped at the first failure: no restart spent
+
+
+def test_a_damaged_fatal_marker_means_fatal_with_an_unknown_cause(tmp_path):
+    from trainkit.runtime.fatal import NonRetryableError, raise_if_restart_would_repeat
+
+    (tmp_path / "fatal.json").write_text("")
+    try:
+        raise_if_restart_would_repeat(tmp_path, tmp_path / "checkpoints")
+    except NonRetryableError as exc:
+        assert "not restarting" in str(exc) and "cause is unknown" in str(exc)
+    else:
+        raise AssertionError("an empty marker let the restart run")

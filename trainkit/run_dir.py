@@ -10,6 +10,7 @@ without importing torch. Where RUN_DIR is for a recipe (`<launch.run_dir>/<name>
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ RESOLVED_RECIPE = "recipe.resolved.yaml"  # the resolved recipe for people, secr
 METRICS = "metrics.jsonl"  # one JSON object per logged step (rank 0), appended by every launch
 SUMMARY = "summary.json"  # written by rank 0 at the end, after the final checkpoint
 FATAL = "fatal.json"  # a failure no restart can fix (NaN, full disk); cleared by each launch
+FATAL_RESERVED = ".fatal.json.reserved"  # FATAL's blocks, allocated by each launch while the disk has room
 LOCK = "launch.lock"  # the live launch (launch/lock.py)
 CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/ folders (runtime/checkpoint_layout.py)
 LOGS = "logs"  # torchrun's --log-dir: <rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, error.json
@@ -58,6 +60,7 @@ LAYOUT = (
     (METRICS, "one JSON object per logged step (rank 0), appended by every launch"),
     (SUMMARY, "final loss, samples/s, eval, checkpoint, per-rank parameter digests (written at the end)"),
     (FATAL, "a failure no restart can fix (NaN, full disk): restarts stop; cleared by the next launch"),
+    (FATAL_RESERVED, "the fatal marker's space, allocated by each launch so a rank can write it on a full disk"),
     (LOCK, "the launch that runs here now (removed when it ends)"),
     (f"{CHECKPOINTS}/step-00000050/", "one checkpoint per saved step (see below)"),
     (f"{LOGS}/<rdzv-id>_*/attempt_<n>/<local rank>/", f"{RANK_STDOUT}, {RANK_STDERR}, {RANK_ERROR} (torchelastic)"),
@@ -145,19 +148,69 @@ def measured_step_times(rows: list[dict]) -> list[float]:
 
 
 # --------------------------------------------------------------------------- fatal.json
+FATAL_BYTES = 4096
+
+
+def reserve_fatal(run_dir: Path) -> None:
+    """Allocate the fatal marker's space now, so a rank can still write it when the disk is full
+    (the failure it most often reports). A disk already too full for 4 KiB is left to the write's
+    own fallback."""
+    try:
+        with open(Path(run_dir) / FATAL_RESERVED, "wb") as fh:
+            fh.write(b" " * FATAL_BYTES)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError:
+        pass
+
+
 def write_fatal(run_dir: Path, exc: BaseException) -> None:
-    """Mark a failure no restart can fix; raises OSError when even this does not fit on the disk."""
-    write_json(Path(run_dir) / FATAL, {"error": type(exc).__name__, "message": str(exc)}, indent=None)
+    """Mark a failure no restart can fix: overwrite the reserved blocks in place (no allocation, so
+    it fits on a full disk) and rename them to FATAL; without a reservation, an ordinary write.
+    Raises OSError when the marker cannot be written at all."""
+    import fcntl
+
+    record = {"error": type(exc).__name__, "message": str(exc)[:FATAL_BYTES // 2]}
+    data = json.dumps(record).encode()[:FATAL_BYTES]
+    reserved = Path(run_dir) / FATAL_RESERVED
+    try:
+        fd = os.open(reserved, os.O_WRONLY)
+    except OSError:
+        write_json(Path(run_dir) / FATAL, record, indent=None)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # two ranks failing at once: one marker, whole
+        os.pwrite(fd, data + b" " * (FATAL_BYTES - len(data)), 0)  # JSON then spaces: still one JSON value
+        os.fsync(fd)
+        os.rename(reserved, Path(run_dir) / FATAL)
+    except FileNotFoundError:  # another rank renamed it first: its marker stands
+        pass
+    finally:
+        os.close(fd)
+
+
+DAMAGED_FATAL = "a failure no restart can fix ended the previous attempt (its marker is damaged, so the cause is unknown)"
 
 
 def read_fatal(run_dir: Path) -> Optional[dict]:
-    """{"error": exception class name, "message": ...} of the marked failure, or None."""
+    """{"error": exception class name, "message": ...} of the marked failure, or None. A marker that
+    exists but cannot be read (cut short, empty) still means "fatal": the cause is unknown."""
     path = Path(run_dir) / FATAL
-    return read_json(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        found = read_json(path)
+    except (OSError, ValueError):
+        found = None
+    if not isinstance(found, dict) or "message" not in found:
+        return {"error": "unknown", "message": DAMAGED_FATAL}
+    return found
 
 
 def clear_fatal(run_dir: Path) -> None:
+    """A new launch is a deliberate retry: remove the marker and reserve its space again."""
     (Path(run_dir) / FATAL).unlink(missing_ok=True)
+    reserve_fatal(run_dir)
 
 
 # --------------------------------------------------------------------------- reports/

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -114,9 +115,14 @@ class RestartAnnouncer(logging.Handler):
     EVENTS = "torchelastic-events-null"
     PROCESSES = "torch.distributed.elastic.multiprocessing.api"
 
-    def __init__(self, log_dir: Path, resume_point):
+    def __init__(self, log_dir: Path, resume_point, fatal_marker=lambda: None, max_restarts: int = 0):
         super().__init__(logging.INFO)
         self.log_dir, self.resume_point = log_dir, resume_point  # resume_point(): newest complete checkpoint
+        # fatal_marker(): the run directory's fatal marker (a NaN, a full disk) or None. When a rank left
+        # one and restarts remain, the agent is stopped instead of restarting: every restart would only
+        # repeat the failure (and on a full disk spend the restarts one by one).
+        self.fatal_marker, self.max_restarts = fatal_marker, max_restarts
+        self.fatal: Optional[dict] = None
         self.workers: dict[int, dict] = {}  # pid -> START event metadata of the current attempt
         self.failed: Optional[tuple[int, int, int]] = None  # torch's first failure: (exitcode, local rank, pid)
         self.terminated: set[int] = set()  # pids the agent stopped (collateral, not culprits)
@@ -133,16 +139,25 @@ class RestartAnnouncer(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
+        stop = False
         try:
             if record.name == self.PROCESSES and str(record.msg).startswith("failed (exitcode"):
                 exitcode, local_rank, pid = record.args[:3]
                 self.failed = (int(exitcode), int(local_rank), int(pid))
+                restarts_left = self.max_restarts - max(self.announced, default=0)
+                if restarts_left > 0:
+                    self.fatal = self.fatal_marker()
+                    stop = self.fatal is not None
             elif record.name == self.PROCESSES and str(record.msg).startswith("Sending process"):
                 self.terminated.add(int(record.args[0]))
             elif record.name == self.EVENTS:
                 self._event(json.loads(record.getMessage()))
         except Exception:  # never let a report take the launcher down
             pass
+        if stop:  # raised in the agent's own loop (its thread): it shuts the workers down, as on a signal
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            raise SignalException("a rank left the fatal marker: not restarting", sigval=signal.SIGTERM)
 
     def _event(self, event: dict) -> None:
         meta = event.get("metadata") or {}

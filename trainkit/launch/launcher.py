@@ -31,7 +31,7 @@ from ..recipe.launch_plan import run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
 from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
-                       TRACKING, clear_fatal, read_summary, summary_path, write_json)
+                       TRACKING, clear_fatal, read_fatal, read_summary, summary_path, write_json)
 from ..runtime import preflight
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
@@ -337,7 +337,9 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
     cmd = torchrun_command(recipe, run_dir)
-    announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False))
+    announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
+                                          fatal_marker=lambda: read_fatal(run_dir),
+                                          max_restarts=recipe.launch.max_restarts)
     try:
         with announcer:
             torchrun.run(torchrun.parse_args(cmd[1:]))
@@ -346,6 +348,11 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -
         print(report, file=sys.stderr)
         return 1, _with_disk_full_note(report, run_dir)
     except SignalException as exc:
+        if announcer.fatal is not None:  # a rank's failure no restart can fix: the agent was stopped for it
+            reason = redact(f"training failed: {announcer.fatal['message']}; not restarting (a restart would "
+                            f"repeat it; worker logs: {run_dir / LOGS})")
+            print(f"trainkit: {reason}", file=sys.stderr, flush=True)
+            return 1, _with_disk_full_note(reason, run_dir)
         return _stopped(int(exc.sigval), run_dir, launch_dir)
     except KeyboardInterrupt:
         return _stopped(signal.SIGINT, run_dir, launch_dir)
