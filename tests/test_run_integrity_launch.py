@@ -179,6 +179,30 @@ def test_a_second_launch_of_the_same_run_dir_exits_2_at_once_naming_the_holder(t
              "a heartbeat")
 
 
+def test_a_stopped_launcher_keeps_its_run_dir_and_its_workers_stop(tmp_path, launches):
+    """Issue 25, case 7: a launcher stopped with Ctrl-Z (SIGSTOP) while its workers trained on lost its
+    lock after 60 s; a second launch took over and resumed from a checkpoint the first was still
+    writing: two trainings in one run directory. Now the workers stop on their own once the
+    launcher's heartbeat is 3 beats old, and the stopped launcher's lock is not stale: a second
+    launch is refused, naming the stopped process and how to resume or end it."""
+    recipe = mlp_recipe(tmp_path, "stopped", trainer={"max_steps": 5000, "log_every": 5})
+    first = launches(tmp_path, recipe, TRAINKIT_FAULT_DELAY="rank=0,ms=50")
+    run_dir = tmp_path / "runs" / "stopped"
+    wait_for(lambda: len(workers_of(run_dir)) == 2, 120, "the first launch's workers")
+    os.kill(first.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    wait_for(lambda: not workers_of(run_dir), 90, "the workers of the stopped launcher to stop")
+    assert time.monotonic() - stopped_at > 20  # they waited for the silence, not for anything else
+    logged = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    second = trainkit(tmp_path, "run", str(recipe), timeout=60)
+    assert second.returncode == 2, second.output
+    assert f"pid {first.pid}" in second.stderr and "it is stopped" in second.stderr, second.stderr
+    assert f"kill -CONT {first.pid}" in second.stderr
+    assert not workers_of(run_dir)  # nothing trains in the run directory
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == logged
+    os.kill(first.pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("stale", ["dead pid", "reused pid", "old heartbeat"])
 def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, stale):
     """Guards the takeover rules: a lock whose holder is gone (dead pid on this host), whose pid now

@@ -22,6 +22,8 @@ SUMMARY = "summary.json"  # written by rank 0 at the end, after the final checkp
 FATAL = "fatal.json"  # a failure no restart can fix (NaN, full disk); cleared by each launch
 FATAL_RESERVED = ".fatal.json.reserved"  # FATAL's blocks, allocated by each launch while the disk has room
 LOCK = "launch.lock"  # the live launch (launch/lock.py)
+LOCK_HEARTBEAT_S = 10.0  # how often the launch holding LOCK refreshes its heartbeat
+LAUNCH_ID_VAR = "TRAINKIT_LAUNCH_ID"  # set for a launch's workers: the lock's `launch` they belong to
 CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/ folders (runtime/checkpoint_layout.py)
 LOGS = "logs"  # torchrun's --log-dir: <rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, error.json
 LAUNCHES = "launches"  # <timestamp>/: one folder per launch
@@ -231,3 +233,12 @@ def live_breakdown_path(run_dir: Path) -> Path:
 # --------------------------------------------------------------------------- launches/<timestamp>/
 def launches_path(run_dir: Path) -> Path:
     return Path(run_dir) / LAUNCHES
+
+
+def lock_heartbeat(run_dir: Path) -> Optional[tuple[str, float]]:
+    """(launch id, heartbeat time) of RUN_DIR's lock, or None when there is none or it is unreadable."""
+    try:
+        held = read_json(Path(run_dir) / LOCK)
+        return str(held["launch"]), float(held["heartbeat"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

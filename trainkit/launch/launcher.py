@@ -31,7 +31,7 @@ from ..recipe.launch_plan import run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
 from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
-                       TRACKING, clear_fatal, read_fatal, read_summary, summary_path, write_json)
+                       LAUNCH_ID_VAR, TRACKING, clear_fatal, read_fatal, read_summary, summary_path, write_json)
 from ..runtime import preflight
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
@@ -143,6 +143,7 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
                   f"{got.reason}", file=sys.stderr, flush=True)
         if got.how != "joined":  # we are the only launch here: a run left open by a dead one is closed now
             close_run_left_open(lock.folder, announce=True)
+            os.environ[LAUNCH_ID_VAR] = lock.data["launch"]  # the workers watch this launch's heartbeat
         return _launch(resolved, recipe_path, overrides, accept_changes,
                        tracking_job=lock.job if detected.found else None,
                        wait_for_run_s=60.0 if detected.values.get("node_rank") not in (None, 0) else 0.0)

@@ -11,8 +11,11 @@ O_CREAT|O_EXCL) so two launches cannot both take over the same stale lock.
 A lock is stale — taken over with a warning — when
   - its holder ran on this host and that process is gone: the pid is dead, or now belongs to a
     process started at another time (pids are reused, in containers quickly), or the machine was
-    rebooted since; or
+    rebooted since. A holder that is alive is never stale, even when its heartbeat is old (a launcher
+    stopped with Ctrl-Z: its workers may still train, and it may be resumed); or
   - its heartbeat is older than STALE_AFTER_S (the only test possible for a holder on another node).
+A launch's workers stop on their own when its heartbeat is older than 3 beats (runtime/parent_watch.py),
+so by the time another node may take over (six missed beats) no worker of the old launch still trains.
 
 Job identity (`job_identity`): launches that belong to the same scheduler job are one launch.
 A single-node job has one launcher, so a same-job holder found alive is a previous incarnation
@@ -34,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..run_dir import LOCK
+from ..run_dir import LOCK, LOCK_HEARTBEAT_S
 
 LOCK_NAME = LOCK
-HEARTBEAT_S = 10.0
+HEARTBEAT_S = LOCK_HEARTBEAT_S
 STALE_AFTER_S = 60.0  # six missed heartbeats: a frozen NFS client or a stopped (SIGSTOP) launcher
 
 
@@ -94,7 +97,23 @@ def describe(holder: dict) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
     beat = max(0, int(time.time() - holder.get("heartbeat", 0)))
     return (f"host {holder.get('host')}, pid {holder.get('pid')}, since {since} (heartbeat {beat} s ago)"
-            + (f", job {holder['job']}" if holder.get("job") else ""))
+            + (f", job {holder['job']}" if holder.get("job") else "") + _stopped_note(holder))
+
+
+def _stopped_note(holder: dict) -> str:
+    """Say so when the holder is a stopped process on this host (Ctrl-Z / SIGSTOP): it holds the run
+    directory until it is resumed or ended."""
+    import psutil
+
+    if holder.get("host") != socket.gethostname():
+        return ""
+    try:
+        if psutil.Process(int(holder.get("pid", -1))).status() == psutil.STATUS_STOPPED:
+            pid = holder.get("pid")
+            return f"; it is stopped (Ctrl-Z / SIGSTOP): resume it (kill -CONT {pid}) or end it (kill {pid})"
+    except (psutil.Error, ValueError, TypeError):
+        pass
+    return ""
 
 
 def stale_reason(holder: dict) -> Optional[str]:
@@ -108,8 +127,9 @@ def stale_reason(holder: dict) -> Optional[str]:
             return f"process {holder.get('pid')} is gone"
         if holder.get("start_time") is None or abs(started - float(holder["start_time"])) > 1.0:
             return f"pid {holder.get('pid')} now belongs to another process (started at another time)"
-        if age > STALE_AFTER_S:  # alive but silent: stopped, or a heartbeat thread that died
-            return f"its heartbeat is {int(age)} s old (limit {int(STALE_AFTER_S)} s)"
+        # alive, even if silent (stopped with Ctrl-Z / SIGSTOP, or a hung heartbeat): not stale. Its workers
+        # may still be training, and a resumed launcher would go on: taking over would put two trainings
+        # in one run directory. Its workers stop on their own once the heartbeat is old (parent_watch).
         return None
     if age > STALE_AFTER_S:
         return f"its heartbeat is {int(age)} s old (limit {int(STALE_AFTER_S)} s)"

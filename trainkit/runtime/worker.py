@@ -45,7 +45,7 @@ from .metrics import JsonlSink
 from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
-from .parent_watch import die_with_launcher
+from .parent_watch import die_with_launcher, stop_when_launcher_falls_silent
 from .performance import prepare_model, set_backend_flags
 from .precision import Precision
 from .process_group import init_process_group
@@ -188,6 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("usage: python -m trainkit.runtime.worker RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(args[0])
+    stop_when_launcher_falls_silent(run_dir)
     resolved = resolve(run_dir / RECIPE)
     recipe = resolved.recipe
     # one decision for device and backend (the same function preflight and doctor use)
