@@ -42,33 +42,41 @@ def test_too_small_a_disk_is_refused_before_start(tmp_path):
         assert not (small / "big" / "checkpoints").exists()
 
 
+def fill_after_the_first_checkpoint(tmp_path, disk, name: str, *, leave: int, max_restarts: int) -> tuple[int, str]:
+    """Run a 2-rank recipe on `disk` (checkpoints every 4 steps), fill the disk to `leave` free bytes once
+    the step-4 checkpoint is complete, and return the launch's exit code and output."""
+    recipe = mlp_recipe(tmp_path, name, data={"name": "synthetic", "batch_size": 8, "num_samples": 256,
+                                              "shape": [3, 4, 4], "num_classes": 4, "sleep_ms": 15.0},
+                        trainer={"max_steps": 12, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
+                        launch={"nproc_per_node": 2, "run_dir": str(disk), "timeout_s": 60,
+                                "max_restarts": max_restarts})
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
+                            env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        first = disk / name / "checkpoints" / "step-00000004"
+        deadline = time.monotonic() + 120
+        while not (first / "meta.json").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "no first checkpoint"
+            time.sleep(0.02)
+        _fill(disk, leave)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, out
+
+
 def test_enospc_during_a_save_names_the_folder_keeps_the_previous_checkpoint_and_spends_no_restart(tmp_path):
     """Guards the mid-run message: the disk fills after the step-4 checkpoint; the step-8 save fails with
     a message naming the folder, the bytes needed and free; step 4 stays complete; the allowed restart
     does not redo the training ("not restarting")."""
     with tmpfs(tmp_path / "disk", "4m") as disk:
-        recipe = mlp_recipe(tmp_path, "filling", data={"name": "synthetic", "batch_size": 8, "num_samples": 256,
-                                                       "shape": [3, 4, 4], "num_classes": 4, "sleep_ms": 15.0},
-                            trainer={"max_steps": 12, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
-                            launch={"nproc_per_node": 2, "run_dir": str(disk), "timeout_s": 60, "max_restarts": 1})
-        proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
-                                env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            first = disk / "filling" / "checkpoints" / "step-00000004"
-            deadline = time.monotonic() + 120
-            while not (first / "meta.json").exists():
-                assert time.monotonic() < deadline and proc.poll() is None, "no first checkpoint"
-                time.sleep(0.02)
-            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-            with open(disk / "filler", "wb") as fh:  # leave 12 KiB: metric lines fit, a checkpoint does not
-                fh.write(b"\0" * max(0, free - 12 * 1024))
-            out, _ = proc.communicate(timeout=180)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-        assert proc.returncode != 0, out
+        first = disk / "filling" / "checkpoints" / "step-00000004"
+        # 12 KiB left: metric lines fit, a checkpoint does not
+        returncode, out = fill_after_the_first_checkpoint(tmp_path, disk, "filling", leave=12 * 1024, max_restarts=1)
+        assert returncode != 0, out
         assert "no space left on the disk holding" in out and "step-00000008" in out, out
         assert "bytes are free" in out and "the previous checkpoint" in out
         assert "not restarting" in out, out
@@ -152,27 +160,9 @@ def test_a_completely_full_disk_still_gets_its_fatal_marker_and_spends_no_restar
     blocks, so it is written whole on a full disk, and the launcher stops torchrun's agent instead of
     letting it restart into the same failure."""
     with tmpfs(tmp_path / "disk", "4m") as disk:
-        recipe = mlp_recipe(tmp_path, "full", data={"name": "synthetic", "batch_size": 8, "num_samples": 256,
-                                                    "shape": [3, 4, 4], "num_classes": 4, "sleep_ms": 15.0},
-                            trainer={"max_steps": 12, "log_every": 1, "checkpoint": {"every": 4, "keep": 3}},
-                            launch={"nproc_per_node": 2, "run_dir": str(disk), "timeout_s": 60, "max_restarts": 3})
-        proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
-                                env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            first = disk / "full" / "checkpoints" / "step-00000004"
-            deadline = time.monotonic() + 120
-            while not (first / "meta.json").exists():
-                assert time.monotonic() < deadline and proc.poll() is None, "no first checkpoint"
-                time.sleep(0.02)
-            _fill(disk)  # not one byte left
-            out, _ = proc.communicate(timeout=180)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+        returncode, out = fill_after_the_first_checkpoint(tmp_path, disk, "full", leave=0, max_restarts=3)
         marker = (disk / "full" / "fatal.json").read_text()
-        assert proc.returncode != 0, out
+        assert returncode != 0, out
         import json
 
         assert json.loads(marker)["error"] == "DiskFullError", marker  # whole, not empty
