@@ -21,6 +21,21 @@ from torch import nn
 from ..runtime.materialize import materialize, parameters_on_meta
 
 
+def replicated_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers every rank must hold identically at the end of a run: all but the running
+    statistics of a (non-synchronised) BatchNorm, which each rank updates from its own batches (DDP
+    broadcasts them only at the start of the next forward; FSDP2 never). SyncBatchNorm's statistics
+    come from the global batch and must agree."""
+    local_stats = set()
+    for prefix, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
+            local_stats |= {f"{prefix}.{n}" if prefix else n for n in ("running_mean", "running_var",
+                                                                       "num_batches_tracked")}
+    for name, b in model.named_buffers():
+        if name not in local_stats:
+            yield name, b
+
+
 def hash_tensor(h, name: str, t: torch.Tensor) -> None:
     """Add a named tensor's exact bytes (as this process holds them) to a hash."""
     h.update(name.encode())
@@ -185,7 +200,7 @@ class Strategy:
         h = hashlib.sha256()
         for i, t in enumerate(self.local_tensors(model)):  # ZeRO-3 gathers here: see docs/strategies.md
             hash_tensor(h, f"param{i}", t)
-        for name, t in self.unwrap(model).named_buffers():
+        for name, t in replicated_buffers(self.unwrap(model)):
             hash_tensor(h, name, t)
         return self.gather_digests(h.hexdigest())
 

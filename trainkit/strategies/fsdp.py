@@ -22,7 +22,7 @@ from ..recipe.blocks import ActivationCheckpointingOptions, PerformanceOptions
 from ..runtime.materialize import check_seedable, has_meta_parameters, owners, seeded_values
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
-from .base import Strategy, hash_tensor
+from .base import Strategy, hash_tensor, replicated_buffers
 
 def blocks_to_wrap(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     """The modules sharded as units: `runtime.performance.repeated_blocks` (the classes named, or the
@@ -217,7 +217,7 @@ class FSDPStrategy(Strategy):
                 full.append((name, p.full_tensor().detach()))
             else:
                 hash_tensor(h, name, p)
-        for name, b in model.named_buffers():
+        for name, b in replicated_buffers(model):
             hash_tensor(h, name, b)
         if self.world_size > 1:
             gathered = [None] * self.world_size if self.rank == 0 else None
