@@ -276,3 +276,22 @@ def test_loss_scaling_overflow_steps_are_skipped_not_counted_as_divergence(tmp_p
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert not [r for r in rows if "grad_norm" in r and not math.isfinite(r["grad_norm"])]
     assert math.isfinite(summary(run_dir)["final_loss"])
+
+
+def test_resume_restores_the_rng_of_this_ranks_gpu_even_where_fewer_gpus_are_visible(monkeypatch):
+    """Issue 26: a checkpoint held every visible GPU's RNG state and resume restored them all, so a
+    process seeing fewer GPUs than the saver raised IndexError (torch's cuda/random.py). Now a rank
+    saves and restores its own device's state; an old checkpoint's list restores the current device's."""
+    from trainkit.runtime import checkpoint
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: (_ for _ in ()).throw(
+        IndexError("list index out of range")))  # what torch does with more states than devices
+    base = {"torch": torch.get_rng_state(), "python": __import__("random").getstate()}
+    saved_by_an_8_gpu_process = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    checkpoint.set_rng_state({**base, "cuda": saved_by_an_8_gpu_process})
+    checkpoint.set_rng_state({**base, "cuda": torch.full((16,), 7, dtype=torch.uint8)})
+    assert [int(s[0]) for s in restored] == [0, 7]

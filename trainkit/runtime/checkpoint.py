@@ -58,7 +58,8 @@ def saved_step(folder: Path) -> int:
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # this rank's own device only: a resumed rank may see fewer GPUs than the saver (one per process)
+        state["cuda"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
 
@@ -72,7 +73,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved = state["cuda"]
+        if isinstance(saved, (list, tuple)):  # checkpoints before this rule held every visible device's state
+            index = torch.cuda.current_device()
+            saved = saved[index] if index < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(saved)  # the current device: the one this rank computes on
     if "numpy" in state:
         import numpy as np
 

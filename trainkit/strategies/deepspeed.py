@@ -158,8 +158,10 @@ class DeepSpeedStrategy(Strategy):
         self._overflow = torch.tensor(float(bool(getattr(model.optimizer, "overflow", False))))
         if not max_norm:
             return None
-        norm = model.get_global_grad_norm()
-        return None if norm is None else torch.as_tensor(float(norm))
+        norm = model.get_global_grad_norm()  # a device tensor or a float: read at log steps, no sync here
+        if norm is None:
+            return None
+        return norm.detach() if isinstance(norm, torch.Tensor) else torch.as_tensor(norm)
 
     def loss_scale_overflow(self) -> Optional[torch.Tensor]:
         return getattr(self, "_overflow", None)
