@@ -49,7 +49,7 @@ def describe_env(device: str, backend: Optional[str]) -> dict:
         if device == "cuda":
             import torch
 
-            bf16 = bool(torch.cuda.is_bf16_supported())
+            bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))  # V100/T4 only emulate it
         else:
             with open("/proc/cpuinfo") as f:
                 flags = f.read(200_000)
