@@ -4,8 +4,9 @@ A torchvision ResNet-18 (BatchNorm buffers) on small synthetic images, a real `t
 process (the crashes were in each rank's own build and compute, so one in-process rank reproduces
 them at a fraction of a 2-rank launch's cost): bf16 under FSDP (with and without CPU offload) and
 DeepSpeed ZeRO-1 ("expected scalar type BFloat16 but found Float" in batch_norm), FSDP with
-channels_last ("FSDP does not support non-contiguous parameters"), and ZeRO-3 with the default init
-("Signature mismatch ... tensor_pynew": torch._dynamo imported under zero.Init). Each asserts the run
+channels_last ("FSDP does not support non-contiguous parameters"), ZeRO-3 with the default init
+("Signature mismatch ... tensor_pynew": torch._dynamo imported under zero.Init), and FSDP with compile
+("InductorError: Cannot convert expression to float"). Each asserts the run
 finishes with a finite loss and writes its checkpoint."""
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ CASES = {
     "zero1-bf16": {"strategy": {"name": "deepspeed", "zero_stage": 1}, "precision": "bf16"},
     "fsdp-channels-last": {"strategy": {"name": "fsdp"}, "performance": {"channels_last": True}},
     "zero3-default-init": {"strategy": {"name": "deepspeed", "zero_stage": 3}},
+    # blocks of one class, different shapes: recompiled, then dynamic, then an Inductor error (~1 min: compiles)
+    "fsdp-compile-seeded": {"strategy": {"name": "fsdp"}, "performance": {"compile": True},
+                            "model": {**RESNET["model"], "init": "seeded"}},
 }
 
 

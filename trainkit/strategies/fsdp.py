@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..recipe.blocks import FSDPOptions
-from ..recipe.blocks import ActivationCheckpointingOptions, PerformanceOptions
+from ..recipe.blocks import ActivationCheckpointingOptions, CompileOptions, PerformanceOptions
 from ..runtime.materialize import check_seedable, has_meta_parameters, owners, seeded_values
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
@@ -66,6 +66,16 @@ def batchnorm_policy():
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
+def block_compile_options(options: Optional[CompileOptions]) -> Optional[CompileOptions]:
+    """Compile options for FSDP's per-block compile. Blocks of one class but different shapes (a CNN's
+    stages) share one code object, so dynamo recompiles per block and soon marks the shapes dynamic;
+    Inductor then fails on a ResNet's symbolic BatchNorm shapes ("InductorError: Cannot convert
+    expression to float", torch 2.14). Unless the recipe chooses, each block is compiled static."""
+    if options is None or options.dynamic is not None:
+        return options
+    return options.model_copy(update={"dynamic": False})
+
+
 def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str,
                performance: Optional[PerformanceOptions] = None) -> nn.Module:
     """Activation checkpointing and torch.compile per block (optional), fully_shard on each block,
@@ -87,8 +97,9 @@ def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str
         # running statistics, which batch_norm refuses. Each its own unit (its input stays low-precision).
         for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
             fully_shard(norm, mp_policy=batchnorm_policy(), **kwargs)
+    compile_options = block_compile_options(performance.compile_options)
     for block in blocks_to_wrap(model, options.wrap):
-        compile_module(block, performance.compile_options)
+        compile_module(block, compile_options)
         fully_shard(block, mp_policy=mixed_precision_policy(precision_name), **kwargs)
     fully_shard(model, mp_policy=mixed_precision_policy(precision_name, root=True), **kwargs)
     return model
