@@ -83,7 +83,7 @@ def test_elastic_recipe_gets_an_elastic_policy_and_a_safe_name(tmp_path):
 
     schema = crd_schema()
     recipe = mlp_recipe(tmp_path, "My_Run.v2", launch={"nnodes": "2:4", "rdzv_endpoint": "x:1"})
-    docs, notes = k8s_docs(tmp_path, str(recipe), "--image", "img")
+    docs, notes = k8s_docs(tmp_path, str(recipe), "--image", "img", "--gpus-per-node", "0")
     job = docs[1]
     jsonschema.validate(job, schema)
     assert job["metadata"]["name"] == "my-run-v2" and "'my-run-v2'" in notes
@@ -211,7 +211,7 @@ def test_trainjob_on_kubeflows_torch_runtime_brings_its_own_volumes(tmp_path):
 def test_k8s_api_trainjob_from_the_command_line(tmp_path):
     recipe = mlp_recipe(tmp_path, "cli-tj", launch={"nproc_per_node": 1})
     docs, notes = k8s_docs(tmp_path, str(recipe), "launch.nnodes=2", "--api", "trainjob", "--image", "img",
-                           "--with-runtime", "--runtime", "trainkit-v1", "--run-dir-pvc", "shared-runs")
+                           "--gpus-per-node", "0", "--with-runtime", "--runtime", "trainkit-v1", "--run-dir-pvc", "shared-runs")
     for doc in docs:
         if doc["kind"] != "ConfigMap":
             validate(doc)
@@ -240,3 +240,29 @@ def test_k8s_refuses_what_cannot_make_a_working_job(tmp_path, args, message):
     r = trainkit(tmp_path, "k8s", str(recipe), *overrides, "--image", "i", *options, "-o", "x.yaml", timeout=60)
     assert r.returncode == 2, r.output
     assert message in r.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_a_job_for_a_backend_auto_recipe_asks_which_and_a_gpu_job_requests_its_gpus(tmp_path):
+    """Issue 27: with `backend: auto` the writers requested no GPU, so on clusters that expose only
+    requested GPUs the job trained on the CPU without a word. Now they ask for --gpus-per-node; a GPU
+    job requests one per process and ships `launch.backend: nccl`, so a node without CUDA fails at
+    start instead of training on the CPU; --gpus-per-node 0 writes a CPU job."""
+    recipe = mlp_recipe(tmp_path, "auto", launch={"nnodes": 2, "nproc_per_node": 4, "rdzv_endpoint": "x:1"})
+    for command in (("slurm", str(recipe)), ("k8s", str(recipe), "--image", "i"),
+                    ("k8s", str(recipe), "--image", "i", "--api", "trainjob")):
+        r = trainkit(tmp_path, *command, "-o", "out", timeout=60)
+        assert r.returncode == 2 and "--gpus-per-node 4" in r.stderr and "--gpus-per-node 0" in r.stderr, r.output
+        assert not (tmp_path / "out").exists()
+    r = trainkit(tmp_path, "slurm", str(recipe), "--gpus-per-node", "4", timeout=60)
+    assert r.returncode == 0, r.output
+    assert "#SBATCH --gpus-per-node=4" in r.stdout and r.stdout.rstrip().endswith("launch.backend=nccl")
+    docs, _ = k8s_docs(tmp_path, str(recipe), "--image", "i", "--gpus-per-node", "4")
+    pod = docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 4}}
+    assert yaml.safe_load(docs[0]["data"]["auto.yaml"])["launch"]["backend"] == "nccl"
+    docs, _ = k8s_docs(tmp_path, str(recipe), "--image", "i", "--api", "trainjob", "--gpus-per-node", "4")
+    job = docs[-1]
+    assert job["spec"]["trainer"]["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 4}}
+    validate(job)
+    cpu = trainkit(tmp_path, "slurm", str(recipe), "--gpus-per-node", "0", timeout=60)
+    assert cpu.returncode == 0 and "--gpus-per-node" not in cpu.stdout and "launch.backend=nccl" not in cpu.stdout

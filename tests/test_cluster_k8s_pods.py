@@ -182,7 +182,7 @@ def test_trainer_v2_pods_make_one_job_and_one_mlflow_run(tmp_path, pods, mlflow_
 
     source = mlp_recipe(tmp_path, JOB, launch={"nproc_per_node": 1, "nnodes": 2, "timeout_s": 60},
                         tracking={"enabled": True, "uri": mlflow_uri, "experiment": "trainjob"})
-    configmap, job = trainjob(resolve(source), str(source), image="trainkit:test").documents
+    configmap, job = trainjob(resolve(source), str(source), image="trainkit:test", gpus_per_node=0).documents
     assert job["metadata"]["name"] == JOB and job["spec"]["trainer"]["numNodes"] == 2
     shipped = yaml.safe_load(configmap["data"][source.name])
     trainer_env = {e["name"]: e["value"] for e in job["spec"]["trainer"]["env"] if "value" in e}

@@ -96,7 +96,7 @@ def test_sbatch_script_runs_one_node_with_two_cpu_workers(tmp_path, slurm):
 
     recipe = mlp_recipe(tmp_path, "slurm-job", launch={"nproc_per_node": 2, "run_dir": str(tmp_path / "runs"),
                                                        "timeout_s": 60})
-    script = sbatch_script(resolve(recipe), str(recipe), ["trainer.max_steps=6"], time="5:00",
+    script = sbatch_script(resolve(recipe), str(recipe), ["trainer.max_steps=6"], time="5:00", gpus_per_node=0,
                            trainkit=(sys.executable, "-m", "trainkit.cli"))
     (tmp_path / "job.sbatch").write_text(script)
     env = dict(env_for(tmp_path), **{k: v for k, v in slurm.items() if k == "SLURM_CONF"})

@@ -86,7 +86,7 @@ def test_a_symlink_loop_in_defaults_is_a_positioned_error(repo):
 def test_a_file_name_with_a_newline_cannot_add_a_line_to_the_sbatch_script(repo):
     name = "x\ntouch PWNED\n.yaml"
     write(repo / name, VALID)
-    r = trainkit(repo, "slurm", name, "--partition", "cpu")
+    r = trainkit(repo, "slurm", name, "--partition", "cpu", "--gpus-per-node", "0")
     assert r.returncode == 0, r.output
     lines = r.stdout.splitlines()
     assert "touch PWNED" not in [line.strip() for line in lines], r.stdout
@@ -96,7 +96,7 @@ def test_a_file_name_with_a_newline_cannot_add_a_line_to_the_sbatch_script(repo)
                           env=dict(os.environ, SLURM_CPUS_PER_TASK="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert not (repo / "PWNED").exists()
-    bad = trainkit(repo, "slurm", name, "--partition", "cpu\ntouch PWNED")
+    bad = trainkit(repo, "slurm", name, "--partition", "cpu\ntouch PWNED", "--gpus-per-node", "0")
     assert bad.returncode == 2 and "#SBATCH value" in bad.output
 
 

@@ -212,7 +212,7 @@ trainkit k8s recipes/resnet152.yaml --api trainjob --runtime torch-distributed -
     p.add_argument("--with-runtime", action="store_true",
                    help="trainjob: also write trainkit's ClusterTrainingRuntime (install it once per cluster)")
     p.add_argument("--namespace", help="Kubernetes namespace")
-    p.add_argument("--gpus-per-node", type=int, help="nvidia.com/gpu per pod (default: nproc_per_node with nccl)")
+    p.add_argument("--gpus-per-node", type=int, help="nvidia.com/gpu per pod, 0 for CPU nodes (default: nproc_per_node with nccl, none with gloo; required with backend auto)")
     p.add_argument("--run-dir-pvc", metavar="NAME", help="PersistentVolumeClaim for the run directory (shared storage)")
     p.add_argument("--mlflow-secret", default="mlflow-credentials", metavar="NAME",
                    help="Secret with the MLflow username/password keys (referenced, never inlined)")
@@ -232,7 +232,7 @@ sbatch train.sbatch""")
     _add_overrides(p)
     p.add_argument("--partition", help="#SBATCH --partition")
     p.add_argument("--time", help="#SBATCH --time, e.g. 24:00:00")
-    p.add_argument("--gpus-per-node", type=int, help="#SBATCH --gpus-per-node (default: nproc_per_node with nccl)")
+    p.add_argument("--gpus-per-node", type=int, help="#SBATCH --gpus-per-node, 0 for CPU nodes (default: nproc_per_node with nccl, none with gloo; required with backend auto)")
     p.add_argument("--cpus-per-task", type=int, help="#SBATCH --cpus-per-task")
     p.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
     p.set_defaults(func=cmd_slurm)

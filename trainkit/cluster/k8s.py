@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from ..recipe import secrets
+from . import gpus
 from .quoting import comment_text
 
 API_VERSION = "kubeflow.org/v1"
@@ -81,12 +82,8 @@ def _job_name(recipe, notes: list[str]) -> str:
 
 
 def _gpus(la, gpus_per_node: Optional[int]) -> int:
-    """nvidia.com/gpu per pod: --gpus-per-node, else nproc_per_node with nccl, else none."""
-    if gpus_per_node is None:
-        return la.nproc_per_node if la.backend == "nccl" else 0
-    if gpus_per_node and la.backend == "gloo":
-        raise K8sError(f"--gpus-per-node {gpus_per_node} but launch.backend is gloo (a CPU recipe): the GPUs would "
-                       f"sit idle; drop --gpus-per-node, or set launch.backend=nccl (or auto)")
+    """nvidia.com/gpu per pod (cluster/gpus.py: nccl one per process, gloo none, auto: say it)."""
+    gpus_per_node = gpus.gpus_per_node(la, gpus_per_node, K8sError)
     if gpus_per_node and "nproc_per_node" in la.model_fields_set and la.nproc_per_node > gpus_per_node:
         raise K8sError(f"launch.nproc_per_node {la.nproc_per_node} exceeds --gpus-per-node {gpus_per_node}")
     return gpus_per_node
@@ -139,12 +136,13 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
     la = recipe.launch
     notes: list[str] = []
     job = _job_name(recipe, notes)
-    gpus = _gpus(la, gpus_per_node)
+    gpu_count = _gpus(la, gpus_per_node)
     if not run_dir_pvc:
         notes.append(_NO_SHARED_STORAGE)
     env, tracking = _tracking_env(resolved, mlflow_secret, notes)
     configmap = _recipe_configmap(resolved, recipe_path, job, namespace, tracking,
-                                  {"run_dir": RUN_DIR_MOUNT} if run_dir_pvc else {})
+                                  {**({"run_dir": RUN_DIR_MOUNT} if run_dir_pvc else {}),
+                                   **gpus.pinned_backend(la, gpu_count)})
     file = Path(recipe_path).name
     container: dict[str, Any] = {
         "name": "pytorch",  # the operator finds the container and its port by this name
@@ -155,8 +153,8 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
         "volumeMounts": [{"name": "recipe", "mountPath": RECIPES_MOUNT, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    if gpus:
-        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    if gpu_count:
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpu_count}}
     volumes: list[dict[str, Any]] = [{"name": "recipe", "configMap": {"name": f"{job}-recipe"}},
                                      {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if run_dir_pvc:
@@ -170,7 +168,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "trainkit", "trainkit/job": job}},
                              "spec": {"containers": [copy.deepcopy(container)], "volumes": copy.deepcopy(volumes)}}}
 
-    spec: dict[str, Any] = {"nprocPerNode": str(_nproc(la, gpus))}
+    spec: dict[str, Any] = {"nprocPerNode": str(_nproc(la, gpu_count))}
     if isinstance(la.nnodes, str):  # MIN:MAX: elastic workers only; the operator names the c10d endpoint
         low, high = (int(x) for x in la.nnodes.split(":"))
         spec["elasticPolicy"] = {"minReplicas": low, "maxReplicas": high, "rdzvBackend": "c10d",
@@ -185,8 +183,8 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
     return Manifest([configmap, job_doc], job, notes)
 
 
-def _nproc(la, gpus: int) -> int:
-    return la.nproc_per_node if "nproc_per_node" in la.model_fields_set else (gpus or 1)
+def _nproc(la, gpu_count: int) -> int:
+    return la.nproc_per_node if "nproc_per_node" in la.model_fields_set else (gpu_count or 1)
 
 
 def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
@@ -225,8 +223,8 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
                        f"written with (default {RUN_DIR_CLAIM!r}) at {RUN_DIR_MOUNT}; pass --run-dir-pvc together "
                        f"with --with-runtime to write a runtime that mounts another claim, or drop it")
     job = _job_name(recipe, notes)
-    gpus = _gpus(la, gpus_per_node)
-    nproc = _nproc(la, gpus)
+    gpu_count = _gpus(la, gpus_per_node)
+    nproc = _nproc(la, gpu_count)
     shared = trainkit_runtime or bool(run_dir_pvc)
     if trainkit_runtime:
         notes.append(f"the runtime {runtime!r} mounts the PersistentVolumeClaim {run_dir_pvc or RUN_DIR_CLAIM!r} "
@@ -236,14 +234,14 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
         notes.append(_NO_SHARED_STORAGE)
     env, tracking = _tracking_env(resolved, mlflow_secret, notes)
     # cluster: trainjob makes a node count that disagrees with trainer.numNodes an error at run time
-    update: dict[str, Any] = {"cluster": "trainjob", "nnodes": la.nnodes}
+    update: dict[str, Any] = {"cluster": "trainjob", "nnodes": la.nnodes, **gpus.pinned_backend(la, gpu_count)}
     if shared:
         update["run_dir"] = RUN_DIR_MOUNT
     configmap = _recipe_configmap(resolved, recipe_path, job, namespace, tracking, update)
 
     trainer: dict[str, Any] = {"image": image, "command": ["trainkit", "run", f"{RECIPES_MOUNT}/{Path(recipe_path).name}"],
                                "numNodes": la.nnodes, "numProcPerNode": nproc,
-                               "resourcesPerNode": ({"limits": {"nvidia.com/gpu": gpus}} if gpus
+                               "resourcesPerNode": ({"limits": {"nvidia.com/gpu": gpu_count}} if gpu_count
                                                     else {"requests": {"cpu": nproc}})}
     if env:
         trainer["env"] = env

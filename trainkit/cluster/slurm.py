@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from ..recipe.launch_plan import run_dir_for
 from ..run_dir import SLURM
+from . import gpus
 from .quoting import comment_text, shell_join, shell_word
 
 
@@ -35,11 +36,8 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
     if isinstance(la.nnodes, str):
         raise SlurmError(f"launch.nnodes {la.nnodes!r} is elastic; a SLURM allocation has a fixed node count: "
                          f"pass launch.nnodes=N")
-    if gpus_per_node is None:
-        gpus_per_node = la.nproc_per_node if la.backend == "nccl" else 0
-    if gpus_per_node and la.backend == "gloo":
-        raise SlurmError(f"--gpus-per-node {gpus_per_node} but launch.backend is gloo (CPU collectives): the GPUs "
-                         f"would sit idle; drop --gpus-per-node, or set launch.backend=nccl (or auto)")
+    gpus_per_node = gpus.gpus_per_node(la, gpus_per_node, SlurmError)
+    pinned = [f"launch.{k}={v}" for k, v in gpus.pinned_backend(la, gpus_per_node).items()]  # no CUDA: fail
     if gpus_per_node and la.nproc_per_node > gpus_per_node:
         raise SlurmError(f"launch.nproc_per_node {la.nproc_per_node} exceeds --gpus-per-node {gpus_per_node}")
     run_dir = run_dir_for(recipe)
@@ -68,6 +66,6 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
               f"mkdir -p {shell_word(str(logs))}",
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}",
               f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output={shell_word(str(logs))}/%j.%t.log "
-              + shell_join([*trainkit, "run", recipe_path, *overrides]),
+              + shell_join([*trainkit, "run", recipe_path, *overrides, *pinned]),
               ""]
     return "\n".join(lines)
