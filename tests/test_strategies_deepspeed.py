@@ -52,6 +52,18 @@ def test_zero3_follows_the_one_process_loss_trajectory(single, zero3_run):
     assert (run_dir / "checkpoints" / "step-00000020" / "zero").is_dir()
 
 
+def test_deprecation_warnings_are_printed_once_per_rank(zero3_run):
+    """Issue 26: DeepSpeed's ZeRO-3 collectives warn on every call (`all_gather_into_tensor` /
+    `reduce_scatter_tensor` are deprecated): a 440-step run printed ~1,760 lines. Each rank's log holds
+    each warning once."""
+    _, _, run_dir = zero3_run
+    logs = sorted((run_dir / "logs").rglob("stderr.log"))
+    assert logs
+    for log in logs:
+        lines = [line for line in log.read_text().splitlines() if "Warning: " in line]
+        assert len(lines) == len(set(lines)), (log, lines)
+
+
 def test_zero2_with_optimizer_offload_and_accumulation_follows_the_one_process_trajectory(single, tmp_path, ext):
     """ZeRO-2, optimizer state offloaded to the CPU (the torch optimizer, no compiled CPU Adam),
     2 accumulation micro-steps of 4 per rank (DeepSpeed's gradient_accumulation_steps)."""

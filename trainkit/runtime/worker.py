@@ -46,6 +46,7 @@ from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
 from .parent_watch import die_with_launcher, stop_when_launcher_falls_silent
+from .warnings_once import show_each_warning_once
 from .performance import prepare_model, set_backend_flags
 from .precision import Precision
 from .process_group import init_process_group
@@ -183,6 +184,7 @@ def _close_sinks(sinks: list, failing: bool) -> None:
 @record
 def main(argv: Optional[Sequence[str]] = None) -> int:
     die_with_launcher()
+    show_each_warning_once()
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: python -m trainkit.runtime.worker RUN_DIR", file=sys.stderr)
