@@ -121,3 +121,20 @@ def test_tracking_commands_answer_bad_input_with_a_message(tmp_path):
     (tmp_path / "run" / "reports" / "breakdown.json").write_text('{"per_rank": [')
     res = trainkit(tmp_path, "report", str(tmp_path / "run"))
     assert res.returncode == 1 and "is not valid JSON" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_compare_link_names_every_experiment_of_its_runs(tmp_path):
+    """Issue 27: runs from two experiments gave a link listing only the first experiment, and the UI
+    answered "Runs were not found". In-process: two runs made with MLflow's client, no launch."""
+    from trainkit.tracking.browse import compare
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    ids = [client.create_experiment(name) for name in ("exp-a", "exp-b")]
+    for exp, name in zip(ids, ("run-a", "run-b")):
+        run = client.create_run(exp, run_name=name)
+        client.log_param(run.info.run_id, "optimizer.lr", name)
+        client.set_terminated(run.info.run_id)
+    out = compare(["run-a", "run-b"], uri=uri)
+    link = next(line for line in out.splitlines() if "compare-runs" in line)
+    assert f'experiments=["{ids[0]}","{ids[1]}"]' in link, link

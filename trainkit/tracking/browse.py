@@ -183,8 +183,9 @@ def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "h
             vals = [m.value for m in hist]
             best.append(f"{(min(vals) if k in LOWER_IS_BETTER else max(vals)):.4g}" if vals else "-")
         rows.append([f"{k} (best)", *best])
-    exp = runs[0].info.experiment_id
-    link = f"{ui_url}/#/compare-runs?runs=[{','.join(repr(r.info.run_id) for r in runs)}]&experiments=[\"{exp}\"]"
+    experiments = list(dict.fromkeys(r.info.experiment_id for r in runs))  # the UI finds runs only in these
+    link = (f"{ui_url}/#/compare-runs?runs=[{','.join(repr(r.info.run_id) for r in runs)}]"
+            f"&experiments=[{','.join(repr(e) for e in experiments)}]")
     note = "" if differing else "\n(no params differ)"
     return _table(rows) + note + f"\n\nMLflow UI (start it with `trainkit ui`): {link.replace(chr(39), chr(34))}"
 
