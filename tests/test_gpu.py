@@ -72,3 +72,18 @@ def test_mfu_is_between_0_and_1(tmp_path, precision):
     row = metrics(tmp_path, f"mfu{precision}")[-1]
     assert "throughput/mfu" in row, f"no peak known for {torch.cuda.get_device_name()}: {sorted(row)}"
     assert 0.0 < row["throughput/mfu"] <= 1.0
+
+
+@needs_cuda
+def test_fsdp_cpu_offload_with_a_seeded_batchnorm_model_trains_on_the_gpu(tmp_path):
+    """Issue 26 (GPU only): seeded init under FSDP cpu_offload left BatchNorm buffers on the CPU
+    (`to_empty(device=cpu)` after fully_shard had moved them to CUDA), and the first forward failed.
+    The buffers now live on the compute device; the run trains in bf16."""
+    recipe = mlp_recipe(tmp_path, "offload-bn", model={"name": "torchvision.resnet18", "args": {"num_classes": 4},
+                                                       "init": "seeded"},
+                        data={"name": "synthetic", "shape": [3, 32, 32], "num_classes": 4, "batch_size": 8},
+                        strategy={"name": "fsdp", "cpu_offload": True}, precision="bf16",
+                        launch={"nproc_per_node": 1, "backend": "nccl"}, trainer={"max_steps": 3, "log_every": 1})
+    result = trainkit(tmp_path, "run", str(recipe))
+    assert result.returncode == 0, result.output
+    assert all(r["loss"] == r["loss"] for r in metrics(tmp_path, "offload-bn") if "loss" in r)

@@ -162,6 +162,9 @@ class FSDPStrategy(Strategy):
         apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32", self.performance)
         if seeded:
             fill_shards(model, self._seed, home)
+            # buffers compute where the inputs are: fill_shards' `to_empty(device=home)` put them on the CPU
+            # under cpu_offload, and FSDP2 moves inputs but never buffers (a BatchNorm's statistics)
+            _move_buffers(model, self.device)
         return model, optimizer_factory(model.parameters())
 
     def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
