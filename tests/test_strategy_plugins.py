@@ -168,3 +168,23 @@ def test_a_strategy_that_does_not_support_an_option_says_which_and_why(tmp_path)
         messages = []
     assert len(messages) == 1, messages
     assert "not supported by strategy fsdp" in messages[0] and "FSDP2 does not synchronise" in messages[0]
+
+
+def test_a_precision_the_strategy_does_not_train_in_is_refused_by_validate(tmp_path):
+    """The pipeline declares fp32 and bf16 only (no fp16 loss scaling across stages): validate refuses
+    fp16 at its line, before anything imports torch."""
+    import yaml
+
+    from trainkit.recipe import RecipeError, resolve
+
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "model": {"name": "mlp"}, "data": {"name": "synthetic",
+                    "batch_size": 4}, "strategy": {"name": "pipeline", "microbatches": 2}, "precision": "fp16",
+                    "trainer": {"max_steps": 2}, "launch": {"nproc_per_node": 2}}))
+    try:
+        resolve(path)
+    except RecipeError as exc:
+        found = [p.message for p in exc.problems if p.path == "precision"]
+    else:
+        found = []
+    assert found and "strategy pipeline does not train in fp16" in found[0], found

@@ -335,8 +335,6 @@ class PipelineStrategy(Strategy):
         """Split points must exist (the model is built on the meta device), stages must fit the world
         size and the schedule, and what the strategy cannot do yet is said before launch."""
         o = recipe.strategy
-        if recipe.precision == "fp16":
-            yield ("precision",), "the pipeline strategy has no fp16 loss scaling; use bf16 or fp32", "error"
         try:
             with torch.device("meta"):
                 model = build_model(recipe.model.model_copy(update={"weights": None}))

@@ -27,7 +27,8 @@ class PipelineOptions(StrategyOptions):
 
     def capabilities(self) -> Capabilities:
         # stage files follow the stage count, which is the world size: no resharding on load
-        return Capabilities(splits_model=True, reshards_on_load=False)
+        # no fp16 loss scaling across stages: fp16 is refused by `validate` (the precision rule)
+        return Capabilities(splits_model=True, reshards_on_load=False, precisions=frozenset({"fp32", "bf16"}))
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(dp_replicate=self.data_parallel, pp=max(1, world_size // self.data_parallel))
