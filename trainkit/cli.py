@@ -320,7 +320,7 @@ trainkit top runs/resnet152-ddp --once        # one frame, e.g. for a log""")
                  """
 trainkit plugins
 trainkit plugins monitors
-trainkit plugins new monitor step_alarm --dir ~/src   # then: pip install ~/src/trainkit-step-alarm""")
+trainkit plugins new monitor step_alarm --dir ~/src   # then: .venv/bin/pip install ~/src/trainkit-step-alarm""")
     p.add_argument("action", nargs="*", metavar="[KIND] | new KIND NAME",
                    help="a kind to list (model, dataset, strategy, monitor), or `new KIND NAME`")
     p.add_argument("--dir", default=".", help="where `new` writes the package (default: here)")
@@ -824,7 +824,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return EXIT_INVALID
             root = scaffold(action[1], action[2], Path(args.dir))
-            print(f"trainkit: wrote {root}\n  install: pip install {root}\n  test:    pytest {root / 'tests'}")
+            python = sys.executable  # the environment that runs trainkit, activated or not
+            print(f"trainkit: wrote {root}\n  install: {python} -m pip install {root}\n"
+                  f"  test:    {python} -m pytest {root / 'tests'}")
             return EXIT_OK
         if len(action) > 1:
             print("usage: trainkit plugins [KIND] | trainkit plugins new KIND NAME", file=sys.stderr)

@@ -116,8 +116,10 @@ def _files(kind: str, name: str) -> dict[str, str]:
         [tool.setuptools]
         packages = ["{pkg}"]
         ''', f"{pkg}/__init__.py": f'"""trainkit {kind[:-1]} plugin `{name}`."""\n',
-        "README.md": f"# trainkit-{name}\n\nA trainkit {kind[:-1]} plugin. Install with `pip install .`, test with "
-                     f"`pytest tests`, use it in a recipe by its name `{name}` (docs/plugins.md in trainkit).\n"}
+        "README.md": f"# trainkit-{name}\n\nA trainkit {kind[:-1]} plugin. Install it into the environment that runs "
+                     f"trainkit with that environment's pip (`python -m pip install .`, e.g. `.venv/bin/python -m pip "
+                     f"install .`), test with `python -m pytest tests`, use it in a recipe by its name `{name}` "
+                     f"(docs/plugins.md in trainkit).\n"}
     if kind == "monitors":
         files[f"{pkg}/options.py"] = f'''\
             """Options of the `{name}` monitor: light (pydantic only), imported by `trainkit validate`."""
