@@ -1,0 +1,146 @@
+"""The declared compatibility grid: each axis value is a recipe fragment, each cell their merge.
+
+Axes (issue 26): strategy x precision x performance option x model family x init. A cell is what a
+user would write -- a recipe -- and its status comes from the product, not from a list kept here:
+`trainkit validate`'s rules (owned by the strategy and option classes) refuse it, or it is expected
+to train (and the verification runner checks that it does). Sizes are tiny on purpose: the grid is
+run in CI on 2 CPU cores, 3 optimizer steps per cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+STEPS = 3  # checkpoints at step 2 and 3: the resume check restarts from step 2
+WORLD = 2  # ranks of every cell (the one-process reference runs the same recipe on 1)
+CORPUS = {"files": ["lm/train.txt"], "eval_files": ["lm/eval.txt"], "tokenizer": "lm/tokenizer.json",
+          "generate": {"documents": 200, "seed": 0, "vocab_size": 300}}
+LM_DATA = {"name": "text", **CORPUS, "seq_len": 16, "batch_size": 4, "shuffle": True}
+
+# model family -> the recipe's model, data and task (and where a traced pipeline cuts it)
+MODELS: dict[str, dict[str, Any]] = {
+    "mlp": {"model": {"name": "mlp", "args": {"in_features": 48, "hidden": 32, "num_classes": 4, "depth": 3}},
+            "data": {"name": "synthetic", "shape": [3, 4, 4], "num_classes": 4, "batch_size": 4,
+                     "num_samples": 64}},
+    "resnet18": {"model": {"name": "torchvision.resnet18", "args": {"num_classes": 4}},
+                 "data": {"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "batch_size": 4,
+                          "num_samples": 64}},
+    "transformer": {"model": {"name": "transformer", "args": {"vocab_size": 320, "dim": 32, "layers": 2,
+                                                              "heads": 2, "seq_len": 16}},
+                    "data": LM_DATA, "task": {"name": "causal_lm"}},
+    "hf-llama": {"model": {"name": "hf_causal_lm", "args": {"config": {
+        "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 32}}},
+                 "data": LM_DATA, "task": {"name": "causal_lm"}},
+}
+# where the traced pipeline cuts each family (a module name of the model)
+TRACED_SPLIT = {"mlp": "2", "resnet18": "layer3", "transformer": "layers.1", "hf-llama": "model.model.layers.1"}
+
+# strategy -> its recipe block, or a function of the model family giving it (where the pipeline cuts)
+STRATEGIES: dict[str, Any] = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "fsdp+cpu_offload": {"name": "fsdp", "cpu_offload": True},
+    "zero1": {"name": "deepspeed", "zero_stage": 1},
+    "zero2": {"name": "deepspeed", "zero_stage": 2},
+    "zero3": {"name": "deepspeed", "zero_stage": 3},
+    "zero3+offload": {"name": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+    "pipeline": {"name": "pipeline", "microbatches": 2},  # an nn.Sequential cut at its blocks
+    # any model, traced (a Sequential: cut) at a named module
+    "pipeline-traced": lambda model: {"name": "pipeline", "microbatches": 2, "split_points": [TRACED_SPLIT[model]]},
+    "pipeline+dp": {"name": "pipeline", "microbatches": 2, "data_parallel": 2},  # 2 one-stage replicas
+}
+
+PRECISIONS: dict[str, dict[str, Any]] = {
+    "fp32": {"precision": "fp32"},
+    "bf16": {"precision": "bf16"},
+    "fp16-dynamic": {"precision": "fp16", "trainer": {"loss_scale": "dynamic"}},
+    "fp16-fixed": {"precision": "fp16", "trainer": {"loss_scale": 1024.0}},
+}
+
+OPTIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "compile": {"performance": {"compile": True}},
+    "channels_last": {"performance": {"channels_last": True}},
+    "checkpointing-full": {"performance": {"activation_checkpointing": "full"}},
+    "checkpointing-selective": {"performance": {"activation_checkpointing": {"mode": "selective",
+                                                                             "every_n_blocks": 2}}},
+    "sync_batchnorm": {"performance": {"sync_batchnorm": True}},
+    "grad_accum": {"trainer": {"grad_accum_steps": 2}},
+    "grad_clip": {"trainer": {"grad_clip": 0.5}},
+}
+
+INITS: dict[str, dict[str, Any]] = {
+    "seeded": {"model": {"init": "seeded"}},
+    "constructor": {"model": {"init": "constructor"}},
+}
+
+BASE: dict[str, Any] = {
+    "seed": 5,
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "trainer": {"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": 2, "keep": 2}},
+    "launch": {"nproc_per_node": WORLD, "timeout_s": 60},
+    "tracking": {"enabled": False},
+}
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One combination: a value of each axis."""
+
+    strategy: str
+    model: str
+    precision: str
+    option: str = "none"
+    init: str = "seeded"
+
+    @property
+    def id(self) -> str:
+        return "__".join((self.strategy, self.model, self.precision, self.option, self.init))
+
+    def recipe(self) -> dict[str, Any]:
+        """The whole recipe this cell is: the base, then each axis's fragment merged in."""
+        out = merge(BASE, {"name": self.id.replace("+", "-")})
+        for fragment in (MODELS[self.model], {"strategy": strategy_block(self.strategy, self.model)},
+                         PRECISIONS[self.precision], OPTIONS[self.option], INITS[self.init]):
+            out = merge(out, fragment)
+        return out
+
+
+def strategy_block(strategy: str, model: str) -> dict[str, Any]:
+    block = STRATEGIES[strategy]
+    return dict(block(model) if callable(block) else block)
+
+
+def merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, dicts merged key by key (neither modified)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
+    return out
+
+
+def core_cells() -> list[Cell]:
+    """Every strategy x model family x precision (no performance option, seeded init)."""
+    return [Cell(s, m, p) for s in STRATEGIES for m in MODELS for p in PRECISIONS]
+
+
+def pairwise_cells() -> list[Cell]:
+    """A covering set of every pair of (strategy, option, precision, model, init) values."""
+    from .pairwise import all_pairs
+
+    axes = {"strategy": list(STRATEGIES), "option": [o for o in OPTIONS if o != "none"],
+            "precision": list(PRECISIONS), "model": list(MODELS), "init": list(INITS)}
+    return [Cell(**row) for row in all_pairs(axes)]
+
+
+def declared_cells() -> list[Cell]:
+    """The grid: the core cells, then the pairwise ones not already among them."""
+    core = core_cells()
+    seen = set(core)
+    return core + [c for c in pairwise_cells() if c not in seen]
+
+
+def find(cell_id: str) -> Optional[Cell]:
+    return next((c for c in declared_cells() if c.id == cell_id), None)
