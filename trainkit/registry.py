@@ -17,12 +17,16 @@ A recipe may also name a model by import path (`pkg.module:attr`); that object m
 from __future__ import annotations
 
 import importlib
+import re
 from functools import lru_cache
 from importlib.metadata import entry_points
 from typing import Any
 
 KINDS = ("models", "datasets", "strategies", "monitors", "tasks")
 FACTORY_MARK = "__trainkit_model_factory__"
+# the name pip installs trainkit under (`trainkit` on the package index is an unrelated project);
+# plugins depend on it, and the built-in plugins are the entry points it declares
+DISTRIBUTION = "trainkit-recipes"
 
 
 class PluginError(Exception):
@@ -40,12 +44,13 @@ def _entry_points(kind: str) -> dict[str, Any]:
 def names(kind: str, builtin_only: bool = False) -> list[str]:
     """Registered plugin names of one kind, sorted (optionally only trainkit's own)."""
     eps = _entry_points(kind)
-    return sorted(n for n, ep in eps.items() if not builtin_only or _distribution(ep) == "trainkit")
+    return sorted(n for n, ep in eps.items() if not builtin_only or _distribution(ep) == DISTRIBUTION)
 
 
 def _distribution(ep: Any) -> str:
+    """The normalized name of the distribution that declares `ep` (PEP 503: `Trainkit_Recipes` is `trainkit-recipes`)."""
     dist = getattr(ep, "dist", None)
-    return dist.metadata["Name"] if dist is not None else ""
+    return re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower() if dist is not None else ""
 
 
 @lru_cache(maxsize=None)

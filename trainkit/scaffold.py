@@ -108,7 +108,7 @@ def _files(kind: str, name: str) -> dict[str, str]:
         version = "0.1.0"
         description = "A trainkit {kind[:-1]} plugin: {name}"
         requires-python = ">=3.10"
-        dependencies = ["trainkit"]
+        dependencies = ["{registry.DISTRIBUTION}"]
 
         [project.entry-points."trainkit.{group}"]
         {name} = "{entry}"
