@@ -34,8 +34,11 @@ import time
 from pathlib import Path
 
 PHASES = os.environ.get("TRAINKIT_BENCH_PHASES") == "1"  # --phases; the workers read it from the environment
+LIFECYCLE = os.environ.get("TRAINKIT_BENCH_LIFECYCLE")  # --lifecycle: a folder for the checkpoint
 DEPTH = int(os.environ.get("TRAINKIT_BENCH_DEPTH", "7"))  # --depth; the workers read it from the environment
-MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": DEPTH}}
+HIDDEN = int(os.environ.get("TRAINKIT_BENCH_HIDDEN", "4096"))  # --hidden
+NPROC = int(os.environ.get("TRAINKIT_BENCH_NPROC", "2"))  # --nproc
+MODEL = {"name": "mlp", "args": {"in_features": 1024, "hidden": HIDDEN, "num_classes": 10, "depth": DEPTH}}
 CONFIGS = {  # "init": model.init (default auto: seeded for FSDP and ZeRO-3, constructor otherwise)
     "ddp": {"name": "ddp"},
     "fsdp": {"name": "fsdp"},
@@ -61,7 +64,7 @@ def write_recipe(folder: Path, label: str, strategy: dict, host_allocator: str =
                  "shape": [1024], "num_classes": 10},
         "strategy": strategy, "precision": "fp32",
         "optimizer": {"name": "adamw", "lr": 1.0e-4},
-        "trainer": {"max_steps": 10}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False},
+        "trainer": {"max_steps": 10}, "launch": {"nproc_per_node": NPROC}, "tracking": {"enabled": False},
         "performance": {"host_allocator": host_allocator},
     }
     path = folder / f"{label}.yaml"
@@ -171,10 +174,13 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
         if i:  # the first step allocates optimizer state and warms up
             times.append(t2 - t0)
             opt_times.append(t2 - t1)
+    steps_peak = peak()  # setup and the steps, before anything at the end of a run
+    lifecycle = run_lifecycle(strategy, model, optimizer, steps, device, peak) if LIFECYCLE else {}
     result = {"rank": rank, "params": n_params, "init": init, "host_allocator": allocator, "state_bytes": state_bytes(strategy, model, optimizer),
               "step_s": statistics.median(times), "optimizer_s": statistics.median(opt_times),
               "peak_bytes": peak(), "start_peak_bytes": start_peak, "setup_peak_bytes": setup_peak,
-              "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS"}
+              "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS", "steps_peak_bytes": steps_peak,
+              "lifecycle": lifecycle}
     if PHASES:  # the resets above cleared the process's own peak: the largest phase peak is the run's
         result.update(phases=phases, peak_bytes=max([setup_peak] + [max(p["fb_peak"], p["opt_peak"]) for p in phases]))
     if recipe.strategy.name == "pipeline":
@@ -185,6 +191,30 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
         Path(out).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_lifecycle(strategy, model, optimizer, step: int, device, peak) -> dict:
+    """--lifecycle: what a trainkit run does after its last step, through trainkit's own code, with
+    the peak after each phase (the peak is the process's high-water mark: each figure includes the
+    phases before it). The loop checks the weights before a checkpoint (`local_tensors`), the
+    Checkpointer saves, a resume loads it back into the same model and optimizer, and the worker's
+    end-of-run replica check (`replica_digests`) runs last."""
+    import itertools
+
+    from trainkit.runtime.checkpoint import Checkpointer
+    from trainkit.runtime.nonfinite import NonFiniteGuard
+
+    marks = {}
+    checkpointer = Checkpointer(Path(LIFECYCLE), strategy, keep=1, recipe_data={"bench": True})
+    NonFiniteGuard.weights_finite(strategy, itertools.chain(strategy.local_tensors(model), model.buffers()), device)
+    marks["weights check"] = peak()
+    folder = checkpointer.save(step, model, optimizer, {"progress": {"step": step}})
+    marks["checkpoint save"] = peak()
+    checkpointer.load(folder, model, optimizer)
+    marks["checkpoint load"] = peak()
+    strategy.replicas_agree(strategy.replica_digests(model))
+    marks["end-of-run replica check"] = peak()
+    return marks
 
 
 def stage_alone(strategy, model, x, loss_fn, microbatches: int, device) -> dict:
@@ -221,7 +251,9 @@ def launch(label: str, recipe: Path, steps: int, folder: Path, timeout: int) -> 
     out = folder / f"{label}.json"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DS_ACCELERATOR="cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    if LIFECYCLE:
+        env["TRAINKIT_BENCH_LIFECYCLE"] = str(folder / f"checkpoints-{label}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
            __file__, "--worker", str(recipe), "--steps", str(steps), "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -266,6 +298,27 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def lifecycle_table(results: dict) -> str:
+    """--lifecycle: the largest per-rank peak after each phase of the run, and over the whole life of
+    the process against DDP's; model+optimizer state per rank (what follows 1/N)."""
+    gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    phases = list(next(iter(results.values()))[0]["lifecycle"])
+    ddp = results.get("ddp")
+    ddp_peak = max(r["peak_bytes"] for r in ddp) if ddp else None
+    ddp_state = max(r["state_bytes"] for r in ddp) if ddp else None
+    rows = ["| strategy | model+optimizer state / rank (GiB) | vs DDP | peak after setup | after the steps | "
+            + " | ".join(f"after {p}" for p in phases) + " | whole-run peak / rank (GiB) | vs DDP | above the "
+            "process before the model |", "|---" * (8 + len(phases)) + "|"]
+    for label, ranks in results.items():
+        state, peak = max(r["state_bytes"] for r in ranks), max(r["peak_bytes"] for r in ranks)
+        after = [gib(max(r["lifecycle"][p] for r in ranks)) for p in phases]
+        above = max(r["peak_bytes"] - r["start_peak_bytes"] for r in ranks)
+        rows.append(f"| {label} | {gib(state)} | {f'{state / ddp_state:.2f}x' if ddp else '-'} | "
+                    f"{gib(max(r['setup_peak_bytes'] for r in ranks))} | {gib(max(r['steps_peak_bytes'] for r in ranks))} | "
+                    + " | ".join(after) + f" | {gib(peak)} | {f'**{peak / ddp_peak:.2f}x**' if ddp else '-'} | {gib(above)} |")
+    return "\n".join(rows)
+
+
 def phase_table(results: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     rows = ["| strategy | rank | step | RSS before (GiB) | peak in forward+backward | RSS after backward | "
@@ -286,17 +339,32 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", choices=list(CONFIGS), help="a subset (the table needs all)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per strategy")
     ap.add_argument("--depth", type=int, help="MLP depth (default 7: 105 M parameters; 14: 206 M)")
+    ap.add_argument("--hidden", type=int, help="MLP width (default 4096)")
+    ap.add_argument("--nproc", type=int, help="ranks per strategy (default 2)")
+    ap.add_argument("--lifecycle", action="store_true", help="after the steps, what a run does at its end: the "
+                    "weights check, a checkpoint save, its load (a resume) and the end-of-run replica check, "
+                    "with the peak after each; the peak then covers the whole life of the process")
     ap.add_argument("--phases", action="store_true", help="CPU on Linux: also each step's peak RSS in "
                     "forward+backward and in the optimizer step (/proc/self/clear_refs), printed per rank")
     ap.add_argument("--host-allocator", choices=["auto", "retain", "release", "system"], default="auto",
                     help="performance.host_allocator of every recipe (default auto, as in a trainkit run: each "
                          "strategy's capabilities().host_memory_on_cpu)")
     args = ap.parse_args()
+    global NPROC, LIFECYCLE
     if args.phases and not args.worker:
         os.environ["TRAINKIT_BENCH_PHASES"] = "1"
     if args.depth and not args.worker:
         os.environ["TRAINKIT_BENCH_DEPTH"] = str(args.depth)
         MODEL["args"]["depth"] = args.depth
+    if args.hidden and not args.worker:
+        os.environ["TRAINKIT_BENCH_HIDDEN"] = str(args.hidden)
+        MODEL["args"]["hidden"] = args.hidden
+    if args.nproc and not args.worker:
+        os.environ["TRAINKIT_BENCH_NPROC"] = str(args.nproc)
+        NPROC = args.nproc
+    if args.lifecycle and not args.worker:
+        os.environ["TRAINKIT_BENCH_LIFECYCLE"] = "1"
+        LIFECYCLE = "1"
     if args.worker:
         worker(args.worker, args.steps, args.out)
         # as trainkit's worker does: leave without interpreter finalization, during which gloo's
@@ -313,8 +381,10 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     params = results[next(iter(results))][0]["params"]
-    print(f"model: mlp {MODEL['args']} = {params / 1e6:.1f} M parameters, fp32, AdamW; 2 ranks")
-    if set(CONFIGS) <= set(results):
+    print(f"model: mlp {MODEL['args']} = {params / 1e6:.1f} M parameters, fp32, AdamW; {NPROC} ranks")
+    if args.lifecycle:
+        print(lifecycle_table(results))
+    elif set(CONFIGS) <= set(results):
         print(table(results))
     else:
         print(json.dumps({k: [{f: v for f, v in r.items() if f != "phases"} for r in rs] for k, rs in results.items()},

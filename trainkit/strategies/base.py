@@ -37,9 +37,16 @@ def replicated_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def hash_tensor(h, name: str, t: torch.Tensor) -> None:
-    """Add a named tensor's exact bytes (as this process holds them) to a hash."""
+    """Add a named tensor's exact bytes (as this process holds them) to a hash, read in place (no
+    bytes copy of a host tensor that is already contiguous)."""
     h.update(name.encode())
-    h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def digest_of(name: str, t: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    hash_tensor(h, name, t)
+    return h.hexdigest()
 
 
 class Strategy:
@@ -203,6 +210,24 @@ class Strategy:
         for name, t in replicated_buffers(self.unwrap(model)):
             hash_tensor(h, name, t)
         return self.gather_digests(h.hexdigest())
+
+    def sharded_digests(self, replicated: Iterator[tuple[str, torch.Tensor]],
+                        shards: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
+        """`replica_digests` of a sharded model (FSDP, ZeRO-3), gathering digests, never tensors: each
+        rank hashes its replicated state and, one parameter at a time, its own shard of each parameter;
+        the ranks exchange these hex strings, and each rank's digest is its replicated state plus every
+        rank's shard digests. So the digests agree iff the replicated state does, and each names the
+        whole model; no rank holds more than one shard's bytes for it."""
+        h = hashlib.sha256()
+        for name, t in replicated:
+            hash_tensor(h, name, t)
+        mine = (h.hexdigest(), [digest_of(name, t) for name, t in shards])
+        every = [mine]
+        if self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine)
+        model = "".join(d for _, shard_digests in every for d in shard_digests)
+        return [hashlib.sha256((replicated_hex + model).encode()).hexdigest() for replicated_hex, _ in every]
 
     def replicas_agree(self, digests: list[str]) -> Optional[bool]:
         """Whether the ranks' `replica_digests` show the same model (None: nothing is replicated)."""

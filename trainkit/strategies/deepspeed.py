@@ -22,7 +22,7 @@ from ..recipe.blocks import DeepSpeedOptions
 from ..runtime.files import fsync_save
 from ..runtime.materialize import check_seedable, owners, seeded_values
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
-from .base import Strategy
+from .base import Strategy, replicated_buffers
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
 
@@ -173,16 +173,21 @@ class DeepSpeedStrategy(Strategy):
         return getattr(model, "module", model)
 
     def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
-        """ZeRO-3 partitions parameters: gather them so every rank hashes the whole model."""
-        params = list(self.unwrap(model).parameters())
-        if self.options.zero_stage == 3:
-            deepspeed = _import_deepspeed()
-            with deepspeed.zero.GatheredParameters(params):
-                tensors = [p.detach().clone() for p in params]
-            yield from tensors
-        else:
-            for p in params:
-                yield p.detach()
+        """What this rank holds: under ZeRO-3 its partition of each parameter (`ds_tensor`), never a
+        gathered parameter; ZeRO-0/1/2 keep whole parameters on every rank."""
+        for p in self.unwrap(model).parameters():
+            yield (p.ds_tensor if self.options.zero_stage == 3 else p).detach()
+
+    def replica_digests(self, model: nn.Module) -> list[str]:
+        """ZeRO-3: each parameter element has one owner, so only the buffers are replicas; the
+        partitions are hashed where they lie and only their digests travel (`sharded_digests`).
+        Gathering the parameters to hash them put the whole model on every rank at the end of
+        each run (issue 28). ZeRO-0/1/2: every rank's own whole copy, as for DDP."""
+        if self.options.zero_stage != 3:
+            return super().replica_digests(model)
+        module = self.unwrap(model)
+        shards = ((name, p.ds_tensor) for name, p in module.named_parameters())
+        return self.sharded_digests(replicated_buffers(module), shards)
 
     # ---- checkpoints: DeepSpeed's own (every rank writes its partitions) in FOLDER/zero/
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

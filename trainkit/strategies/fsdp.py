@@ -10,7 +10,6 @@ a checkpoint saved with N ranks loads with M.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from pathlib import Path
 from typing import ContextManager, Iterator, Optional
 
@@ -22,7 +21,7 @@ from ..recipe.blocks import ActivationCheckpointingOptions, CompileOptions, Perf
 from ..runtime.materialize import check_seedable, has_meta_parameters, owners, seeded_values
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
-from .base import Strategy, hash_tensor, replicated_buffers
+from .base import Strategy, replicated_buffers
 
 def blocks_to_wrap(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     """The modules sharded as units: `runtime.performance.repeated_blocks` (the classes named, or the
@@ -201,47 +200,26 @@ class FSDPStrategy(Strategy):
         return total
 
     def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
-        """The whole (gathered) parameters, so every rank hashes the same model."""
+        """What this rank holds: its shard of each sharded parameter (never a gathered one), and the
+        parameters FSDP left whole."""
         from torch.distributed.tensor import DTensor
 
         for p in model.parameters():
-            yield p.full_tensor().detach() if isinstance(p, DTensor) else p.detach()
+            yield p.to_local().detach() if isinstance(p, DTensor) else p.detach()
 
     def replica_digests(self, model: nn.Module) -> list[str]:
         """FSDP keeps one copy of each parameter element (rank r holds chunk r of dim 0), so there is
-        no parameter replica to compare. What must agree:
+        no parameter replica to compare. What must agree is the replicated state: parameters that are
+        not sharded and every buffer (FSDP2 does not synchronise buffers such as BatchNorm
+        statistics). The shards are hashed where they lie, one per parameter, and only their digests
+        travel (`sharded_digests`): gathering the parameters to compare them would put the whole
+        model on a rank at the end of every run (issue 28)."""
+        from torch.distributed.tensor import DTensor
 
-        - the replicated state: parameters that are not sharded and every buffer (FSDP2 does not
-          synchronise buffers such as BatchNorm statistics), hashed as each rank holds them;
-        - the shards with the model each rank sees: rank 0 gathers every rank's raw local shard
-          (`to_local()`, pickled to it, not through FSDP's all-gather) and reassembles each
-          parameter; every rank all-gathers the full parameters (`full_tensor()`) as training does.
-          Each rank's digest covers its replicated state and the full parameters it computed; rank
-          0's uses its reassembly instead, so a shard that does not sit where the layout says, or an
-          all-gather that does not reproduce the shards, shows as a mismatch.
-        """
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor, Shard
-
-        h = hashlib.sha256()
-        shards, full = [], []
-        for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                shards.append((name, p.to_local().detach().cpu(), tuple(p.placements) == (Shard(0),)))
-                full.append((name, p.full_tensor().detach()))
-            else:
-                hash_tensor(h, name, p)
-        for name, b in replicated_buffers(model):
-            hash_tensor(h, name, b)
-        if self.world_size > 1:
-            gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(shards, gathered, dst=0)
-            if self.rank == 0:
-                full = [(name, torch.cat([g[i][1] for g in gathered]) if dim0 else t)
-                        for i, ((name, t), (_, _, dim0)) in enumerate(zip(full, shards))]
-        for name, t in full:
-            hash_tensor(h, name, t)
-        return self.gather_digests(h.hexdigest())
+        params = list(model.named_parameters())
+        replicated = [(n, p) for n, p in params if not isinstance(p, DTensor)] + list(replicated_buffers(model))
+        shards = ((n, p.to_local()) for n, p in params if isinstance(p, DTensor))
+        return self.sharded_digests(replicated, shards)
 
     # ---- checkpoints: torch.distributed.checkpoint, every rank writes its own shards
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
