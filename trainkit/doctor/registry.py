@@ -37,6 +37,7 @@ CHECKS: list[Entry] = [
     Entry("/dev/shm", resources.shm, resources.shm),
     Entry("open files", resources.open_files, resources.open_files),
     Entry("disk", resources.disk, resources.disk_quick),
+    Entry("memory", resources.memory, resources.memory),  # the memory plan: milliseconds on the meta device
     Entry("data root", data.data_root),
 ]
 

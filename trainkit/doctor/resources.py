@@ -1,15 +1,19 @@
-"""Node resources a run consumes: shared memory for DataLoader batches, file descriptors, and disk
-for checkpoints. Each compares a measured amount with a stated estimate of the need."""
+"""Node resources a run consumes: shared memory for DataLoader batches, file descriptors, disk
+for checkpoints, and memory for the ranks (the memory plan against this machine). Each compares a measured amount with a stated estimate of the need."""
 
 from __future__ import annotations
 
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from ..recipe.launch_plan import run_dir_for
+from ..recipe.memory_plan import MemoryAdvice, MemoryPlan, fitting_changes, setting_of
+from ..recipe.memory_plan import plan as plan_memory
+from ..runtime import memory_limits
 from ..run_dir import CHECKPOINTS
 from .check import Check, failed, human_bytes, passed, warned
 
@@ -177,3 +181,74 @@ def disk(resolved) -> Check:
 
 def disk_quick(resolved) -> Check:
     return _disk(resolved, quick=True)
+
+
+# --------------------------------------------------------------------------- memory
+HEADROOM = 0.8  # a plan above this share of the memory it may use is a warning (the estimate is +-25%)
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """The recipe's memory plan against this machine, and the changes that would make it fit."""
+
+    plan: MemoryPlan
+    budget: int  # bytes one rank may use
+    budget_how: str
+    advice: list[MemoryAdvice]
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.per_rank <= self.budget
+
+    def advice_lines(self) -> list[str]:
+        return [f"  {a.text}" for a in self.advice]
+
+
+def memory_verdict(recipe) -> Optional[MemoryVerdict]:
+    """The plan for this machine: one rank's share of host memory on the CPU (every rank of the node
+    shares it; cgroup limits included), the GPU's total memory on CUDA. None where the model does not
+    build on the meta device or the device is not decided (preflight reports both)."""
+    import torch
+
+    from ..runtime.accelerator import AcceleratorError, accelerator_for
+    from ..runtime.memory_trace import model_sizes
+
+    try:
+        device_type = accelerator_for(recipe, cuda_available=torch.cuda.is_available()).device_type
+        sizes = model_sizes(recipe)
+    except (AcceleratorError, Exception):
+        return None
+    setting = setting_of(recipe, device_type)
+    planned = plan_memory(sizes, setting)
+    nproc = recipe.launch.nproc_per_node
+    host = memory_limits.limit()
+    if device_type == "cpu":
+        budget = host.available // nproc
+        how = f"{human_bytes(host.available)} available ({host.source}) / {nproc} rank(s) on this host"
+    else:
+        budget = torch.cuda.get_device_properties(0).total_memory
+        how = f"{human_bytes(budget)} on {torch.cuda.get_device_name(0)}"
+    return MemoryVerdict(planned, budget, how, fitting_changes(sizes, setting, budget))
+
+
+def memory(resolved) -> Optional[Check]:
+    name = "memory"
+    if resolved is None:
+        host = memory_limits.limit()
+        return passed(name, f"{human_bytes(host.available)} available ({host.source}); "
+                            f"`trainkit doctor RECIPE` predicts a run's need")
+    verdict = memory_verdict(resolved.recipe)
+    if verdict is None:
+        return None
+    need = verdict.plan.per_rank
+    detail = f"predicted {human_bytes(need)} per rank (trainkit plan shows the parts) vs {human_bytes(verdict.budget)} " \
+             f"per rank = {verdict.budget_how}"
+    fits = [a for a in verdict.advice if a.fits]
+    fix = ("; ".join(a.text for a in (fits or verdict.advice)) or "a machine with more memory") \
+        + " (docs/memory.md)"
+    if need > verdict.budget:
+        return failed(name, f"will not fit: {detail}", f"changes that would fit: {fix}" if fits else
+                      f"nothing single fits; closest: {fix}")
+    if need > HEADROOM * verdict.budget:
+        return warned(name, f"tight (the estimate is +-25%): {detail}", f"to leave room: {fix}")
+    return passed(name, detail)

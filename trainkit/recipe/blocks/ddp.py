@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from .knobs import Knob, flip
-from .strategy import Capabilities, StrategyOptions
+from .strategy import ALL_GRADIENTS, Capabilities, MemoryLayout, StrategyOptions
 
 
 class DDPOptions(StrategyOptions):
@@ -26,6 +26,10 @@ class DDPOptions(StrategyOptions):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(bucketed_allreduce=True, unsupported_performance={})
+
+    def memory_layout(self, world_size: int) -> MemoryLayout:
+        # every rank a whole replica; the reducer's buckets copy the gradients unless they are its views
+        return MemoryLayout(gradient_bucket_elements=0 if self.gradient_as_bucket_view else ALL_GRADIENTS)
 
     @classmethod
     def tune_knobs(cls) -> list[Knob]:

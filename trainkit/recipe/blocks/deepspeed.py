@@ -9,7 +9,7 @@ from pydantic import Field
 
 from .base import Finding
 from .knobs import Knob
-from .strategy import Capabilities, ParallelDims, StrategyOptions
+from .strategy import Capabilities, MemoryLayout, ParallelDims, StrategyOptions
 
 # ds_config keys the recipe sets itself: -> the recipe key to use instead
 OWNED_BY_THE_RECIPE = {
@@ -20,6 +20,10 @@ OWNED_BY_THE_RECIPE = {
     "fp16": "precision", "bf16": "precision",
     "optimizer": "optimizer", "scheduler": "scheduler",
 }
+
+
+DEEPSPEED_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
+DEEPSPEED_RUNTIME = 130 << 20  # importing DeepSpeed adds this to a rank's process (measured, docs/memory.md)
 
 
 class DeepSpeedOptions(StrategyOptions):
@@ -45,6 +49,20 @@ class DeepSpeedOptions(StrategyOptions):
         if self.zero_stage == 0:
             return ParallelDims(dp_replicate=world_size)
         return ParallelDims(dp_shard=world_size)
+
+    def memory_layout(self, world_size: int) -> MemoryLayout:
+        # ZeRO's stages (the ZeRO paper, Figure 1): 1 partitions the optimizer state (with DeepSpeed's fp32
+        # master copy of it), 2 also the gradients, 3 also the parameters, gathered per module. DeepSpeed
+        # casts the module to bf16/fp16; gradients go through its reduce bucket (reduce_bucket_size).
+        n, stage = world_size, self.zero_stage
+        zero = self.config.get("zero_optimization", {}) if isinstance(self.config.get("zero_optimization"), dict) else {}
+        return MemoryLayout(optimizer=n if stage >= 1 else 1, gradients=n if stage >= 2 else 1,
+                            parameters=n if stage == 3 else 1, gathers_units=stage == 3,
+                            low_precision_parameters=True, master_copy=stage >= 1,
+                            gradient_bucket_elements=int(zero.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET))
+                            if stage >= 2 else 0,
+                            offload_parameters=self.offload_param != "none",
+                            offload_optimizer=self.offload_optimizer != "none", runtime_bytes=DEEPSPEED_RUNTIME)
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         if self.offload_param != "none" and self.zero_stage != 3:

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from .base import Finding
 from .knobs import Knob, flip
-from .strategy import Capabilities, ParallelDims, StrategyOptions
+from .strategy import Capabilities, MemoryLayout, ParallelDims, StrategyOptions
 
 
 class FSDPOptions(StrategyOptions):
@@ -36,6 +36,12 @@ class FSDPOptions(StrategyOptions):
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(dp_shard=world_size)
+
+    def memory_layout(self, world_size: int) -> MemoryLayout:
+        # everything sharded; each unit gathered whole for its forward and backward. cpu_offload keeps the
+        # shards, their gradients and the optimizer step on the host (CPUOffloadPolicy).
+        return MemoryLayout(parameters=world_size, gradients=world_size, optimizer=world_size, gathers_units=True,
+                            offload_parameters=self.cpu_offload, offload_optimizer=self.cpu_offload)
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         ac = recipe.performance.checkpointing

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Iterator, Literal
 from pydantic import Field, PositiveInt
 
 from .base import Finding
-from .strategy import Capabilities, ParallelDims, StrategyOptions
+from .strategy import Capabilities, MemoryLayout, ParallelDims, StrategyOptions
 
 
 class PipelineOptions(StrategyOptions):
@@ -32,6 +32,11 @@ class PipelineOptions(StrategyOptions):
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(dp_replicate=self.data_parallel, pp=max(1, world_size // self.data_parallel))
+
+    def memory_layout(self, world_size: int) -> MemoryLayout:
+        # each rank holds its stage's layers (balanced by parameters) and their activations
+        stages = self.parallel_dims(world_size).pp
+        return MemoryLayout(parameters=stages, gradients=stages, optimizer=stages, parameters_split=stages)
 
     def plan_lines(self, recipe: Any) -> list[str]:
         ws = recipe.world_size

@@ -12,6 +12,7 @@ of each parallel dimension, ready for tensor parallel and hybrid sharding to be 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Mapping
 
@@ -79,6 +80,38 @@ class Capabilities:
     unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemoryLayout:
+    """How a strategy divides a model's memory over the ranks: the factors of the memory plan
+    (trainkit.recipe.memory_plan), owned by each strategy's options instead of a switch on its name.
+
+    parameters / gradients / optimizer: ranks each of them is divided over (ZeRO's stages, FSDP: all).
+    parameters_split: ranks holding different layers (pipeline stages), which divides activations too.
+    gathers_units: a unit's whole parameters are gathered for its forward and backward (FSDP, ZeRO-3).
+    gradient_bucket_elements: gradient elements copied into communication buckets (DDP without
+        gradient_as_bucket_view: all of them; ZeRO: its reduce bucket), counted up to the model's size.
+    low_precision_parameters: parameters and gradients are kept in the training precision (bf16/fp16)
+        beside an fp32 master copy (DeepSpeed); otherwise they stay fp32 and autocast casts.
+    master_copy: the optimizer keeps its own fp32 copy of its partition (DeepSpeed, even in fp32).
+    offload_parameters / offload_optimizer: kept in host memory instead of the device's.
+    runtime_bytes: what the strategy's libraries add to a rank's process before the model (measured).
+    """
+
+    parameters: int = 1
+    gradients: int = 1
+    optimizer: int = 1
+    parameters_split: int = 1
+    gathers_units: bool = False
+    gradient_bucket_elements: int = 0
+    low_precision_parameters: bool = False
+    master_copy: bool = False
+    offload_parameters: bool = False
+    offload_optimizer: bool = False
+    runtime_bytes: int = 0
+
+
+ALL_GRADIENTS = sys.maxsize  # gradient_bucket_elements: every gradient has a bucket copy
+
 SYNC_BATCHNORM_NEEDS_DDP = {"sync_batchnorm": "torch's SyncBatchNorm synchronises statistics through DDP's process "
                                               "group; set it to false, or use strategy ddp"}
 
@@ -99,6 +132,10 @@ class StrategyOptions(PluginBlock):
     def data_parallel_size(self, world_size: int) -> int:
         """Different batches one micro-step consumes: the one factor of every global-batch figure."""
         return self.parallel_dims(world_size).dp
+
+    def memory_layout(self, world_size: int) -> MemoryLayout:
+        """How this strategy divides the model's memory over `world_size` ranks (replicas: not at all)."""
+        return MemoryLayout()
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         """This strategy's cross-field rules on the whole recipe, checked by `validate` (no torch)."""

@@ -1,0 +1,259 @@
+"""The memory plan: each rank's predicted memory for a recipe, and the changes that would make it fit.
+
+Arithmetic only (no torch), so that `trainkit plan`, `doctor`, the launch's quick checks and the OOM
+report share one model. Its inputs are the model's sizes, measured by a meta-device trace
+(`trainkit.runtime.memory_trace`), and the strategy's `MemoryLayout` (its options own how they divide
+parameters, gradients and optimizer state over the ranks; no strategy names here).
+
+The accounting is ZeRO's (Rajbhandari et al. 2020, section 3: mixed-precision Adam keeps 2 + 2 + 12 =
+16 bytes per parameter; DeepSpeed's `estimate_zero3_model_states_mem_needs_all_live` and
+`accelerate estimate-memory` stop there). Beyond them it counts what a measured rank also holds: the
+gathered unit under FSDP/ZeRO-3, DDP's gradient buckets, the activations of one micro-batch (traced) and
+the process itself (the runtime: torch, gloo/NCCL, the strategy's libraries; measured, see
+docs/memory.md), and it compares the total with the machine (doctor's `memory` check).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from .blocks.strategy import MemoryLayout
+
+MiB = 1 << 20
+GiB = 1 << 30
+FP32 = 4
+LOW_PRECISION = {"bf16": 2, "fp16": 2}  # bytes per element in the training precision (fp32 otherwise)
+OPTIMIZER_TENSORS = {"adam": 2, "adamw": 2}  # fp32 state tensors per parameter (SGD: its momentum, if any)
+RUNTIME_BYTES = {"cpu": 560 * MiB, "cuda": 600 * MiB}  # a rank before the model: measured (docs/memory.md)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSizes:
+    """What the trace measured on the meta device (no memory used)."""
+
+    parameters: int  # elements
+    buffer_bytes: int
+    largest_unit: int  # parameter elements of the largest block a sharding strategy gathers at once
+    activation_bytes: Optional[int]  # saved for backward, one micro-batch, fp32; None: could not trace
+    checkpointed_activation_bytes: Optional[int] = None  # the same with every repeated block recomputed
+    micro_batch: int = 1  # the batch size the activations were traced with
+
+
+@dataclass(frozen=True)
+class Part:
+    """One line of the plan: what, how many bytes, where (device or host), and how it was computed."""
+
+    name: str
+    bytes: int
+    where: str
+    how: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """The recipe settings the plan depends on; an alternative is this with some of them changed."""
+
+    layout: MemoryLayout
+    world_size: int
+    precision: str
+    optimizer_tensors: int
+    micro_batch: int
+    grad_accum_steps: int
+    activation_checkpointing: bool
+    device_type: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    setting: Setting
+    parts: tuple[Part, ...]
+
+    def total(self, where: str = "device") -> int:
+        return sum(p.bytes for p in self.parts if p.where == where)
+
+    @property
+    def per_rank(self) -> int:
+        """What one rank needs of the memory it is checked against (on the CPU, everything is host memory)."""
+        return self.total("device") + (self.total("host") if self.setting.device_type == "cpu" else 0)
+
+    def lines(self) -> list[str]:
+        s = self.setting
+        out = [f"memory per rank: {gib(self.per_rank)} predicted ({s.device_type}, {s.precision}, world size "
+               f"{s.world_size}, micro-batch {s.micro_batch})"]
+        for p in self.parts:
+            place = "" if s.device_type == "cpu" or p.where == "device" else " (host)"
+            out.append(f"  {p.name + place + ':':<28}{gib(p.bytes):>10}  {p.how}")
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryAdvice:
+    """A change that would make the recipe fit, as data: the recipe keys and values, and the plan with them."""
+
+    changes: dict[str, Any]
+    plan: MemoryPlan
+    fits: bool
+    what: str = ""
+
+    @property
+    def text(self) -> str:
+        keys = ", ".join(f"{k}={_show(v)}" for k, v in self.changes.items())
+        verdict = "fits" if self.fits else "still too big"
+        return f"{keys}: {gib(self.plan.per_rank)} per rank ({verdict}){'; ' + self.what if self.what else ''}"
+
+    def as_dict(self) -> dict:
+        return {"changes": dict(self.changes), "per_rank_bytes": self.plan.per_rank, "fits": self.fits,
+                "text": self.text}
+
+
+def _show(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+# --------------------------------------------------------------------------- the arithmetic
+def setting_of(recipe: Any, device_type: str) -> Setting:
+    """The plan's inputs, read from a resolved recipe."""
+    ws = recipe.world_size or recipe.launch.nproc_per_node
+    return Setting(layout=recipe.strategy.memory_layout(ws), world_size=ws, precision=recipe.precision,
+                   optimizer_tensors=optimizer_tensors(recipe.optimizer), micro_batch=recipe.data.batch_size,
+                   grad_accum_steps=recipe.trainer.grad_accum_steps,
+                   activation_checkpointing=recipe.performance.checkpointing.mode != "none",
+                   device_type=device_type)
+
+
+def optimizer_tensors(optimizer: Any) -> int:
+    """fp32 state tensors per parameter: Adam's two moments, SGD's momentum buffer (none without momentum)."""
+    if optimizer.name in OPTIMIZER_TENSORS:
+        return OPTIMIZER_TENSORS[optimizer.name]
+    return 1 if getattr(optimizer, "momentum", 0) else 0
+
+
+def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
+    """Bytes per rank, part by part."""
+    L, P = s.layout, sizes.parameters
+    low = LOW_PRECISION.get(s.precision)
+    stored = low if (low and L.low_precision_parameters) else FP32  # parameters' and gradients' dtype
+    offloaded_params = "host" if L.offload_parameters else "device"
+    offloaded_state = "host" if L.offload_optimizer else "device"
+    parts = [
+        Part("parameters", P * stored // L.parameters, offloaded_params,
+             f"{P:,} x {stored} B / {L.parameters}"),
+        Part("gradients", P * stored // L.gradients, offloaded_state if L.offload_optimizer else "device",
+             f"{P:,} x {stored} B / {L.gradients}"),
+    ]
+    if L.master_copy:
+        parts.append(Part("fp32 master weights", P * FP32 // L.optimizer, offloaded_state,
+                          f"{P:,} x 4 B / {L.optimizer} (the optimizer's own fp32 copy)"))
+    if s.optimizer_tensors:
+        parts.append(Part("optimizer state", P * FP32 * s.optimizer_tensors // L.optimizer, offloaded_state,
+                          f"{P:,} x {s.optimizer_tensors} x 4 B / {L.optimizer}"))
+    if L.gradient_bucket_elements:
+        bucket = min(P, L.gradient_bucket_elements)
+        parts.append(Part("gradient buckets", bucket * stored, "device",
+                          f"{bucket:,} x {stored} B (gradients copied into communication buckets)"))
+    if L.gathers_units and L.parameters > 1:
+        unit_bytes = low or FP32
+        parts.append(Part("gathered unit", 2 * sizes.largest_unit * unit_bytes, "device",
+                          f"2 x {sizes.largest_unit:,} x {unit_bytes} B (largest unit, and the next prefetched)"))
+    if sizes.buffer_bytes:
+        parts.append(Part("buffers", sizes.buffer_bytes, "device", "the model's buffers (not sharded)"))
+    activations = _activations(sizes, s)
+    if activations is not None:
+        parts.append(activations)
+    parts.append(Part("runtime", RUNTIME_BYTES.get(s.device_type, RUNTIME_BYTES["cpu"]) + L.runtime_bytes,
+                      "host" if s.device_type == "cpu" else "device",
+                      "the process before the model (measured)" if s.device_type == "cpu" else
+                      "CUDA context and kernels (measured)"))
+    return MemoryPlan(s, tuple(parts))
+
+
+def _activations(sizes: ModelSizes, s: Setting) -> Optional[Part]:
+    traced = sizes.checkpointed_activation_bytes if s.activation_checkpointing else sizes.activation_bytes
+    if traced is None:
+        return None
+    low = LOW_PRECISION.get(s.precision)
+    scale = (low / FP32 if low else 1.0) * s.micro_batch / max(1, sizes.micro_batch) / s.layout.parameters_split
+    how = (f"traced: {traced / MiB:.0f} MiB at batch {sizes.micro_batch}, scaled to micro-batch {s.micro_batch}"
+           + (f", {s.precision}" if low else "") + (", blocks recomputed" if s.activation_checkpointing else "")
+           + (f", / {s.layout.parameters_split} stages" if s.layout.parameters_split > 1 else ""))
+    return Part("activations", int(traced * scale), "device", how)
+
+
+# --------------------------------------------------------------------------- the changes that fit
+def alternatives(sizes: ModelSizes, s: Setting, available: int, sharded_layouts: dict[str, tuple[dict, MemoryLayout]]
+                 ) -> list[MemoryAdvice]:
+    """Each change on its own, with its predicted figure, then the smallest combination that fits.
+
+    `sharded_layouts`: what the strategies that shard would lay out at this world size (label ->
+    (recipe changes, layout)); the caller builds them from the strategies' own options.
+    """
+    options: list[tuple[dict, Setting, str]] = []
+    for label, (changes, layout) in sharded_layouts.items():
+        if layout.parameters > s.layout.parameters or layout.optimizer > s.layout.optimizer or \
+                layout.offload_optimizer > s.layout.offload_optimizer:
+            options.append((changes, replace(s, layout=layout), f"{label}: shards parameters, gradients and "
+                                                                 f"optimizer state over {s.world_size} ranks"))
+    if not s.activation_checkpointing and (sizes.checkpointed_activation_bytes or 0) < (sizes.activation_bytes or 0):
+        options.append(({"performance.activation_checkpointing": "full"},
+                        replace(s, activation_checkpointing=True), "recompute the blocks in backward (~1 more forward)"))
+    if s.micro_batch > 1:
+        smaller = s.micro_batch
+        while smaller > 1 and plan(sizes, replace(s, micro_batch=smaller)).per_rank > available:
+            smaller //= 2
+        if smaller < s.micro_batch:
+            accum = s.grad_accum_steps * (s.micro_batch // smaller)
+            options.append(({"data.batch_size": smaller, "trainer.grad_accum_steps": accum},
+                            replace(s, micro_batch=smaller, grad_accum_steps=accum), "the same global batch"))
+    out = [_advice(sizes, changes, setting, available, what) for changes, setting, what in options]
+    if out and not any(a.fits for a in out):  # the leanest sharding with every other change
+        sharded = [o for o in options if o[1].layout != s.layout]
+        leanest = min(sharded, key=lambda o: plan(sizes, o[1]).per_rank, default=None)
+        combined, setting = {}, s
+        for changes, option, _ in [o for o in options if o[1].layout == s.layout] + ([leanest] if leanest else []):
+            combined.update(changes)
+            setting = _merge(setting, option, s)
+        out.append(_advice(sizes, combined, setting, available, "all of them together"))
+    return sorted(out, key=lambda a: (not a.fits, a.plan.per_rank))
+
+
+def sharding_strategies(world_size: int, device_type: str) -> dict[str, tuple[dict, MemoryLayout]]:
+    """The built-in strategies that shard, as the alternatives a plan proposes (their own layouts);
+    DeepSpeed only where it is installed, offload only where a device has memory of its own."""
+    from importlib.util import find_spec
+
+    from .blocks.deepspeed import DeepSpeedOptions
+    from .blocks.fsdp import FSDPOptions
+
+    out = {"FSDP": ({"strategy.name": "fsdp"}, FSDPOptions(name="fsdp").memory_layout(world_size))}
+    if all(find_spec(p) for p in DeepSpeedOptions.requires_packages):
+        out["ZeRO-3"] = ({"strategy.name": "deepspeed", "strategy.zero_stage": 3},
+                         DeepSpeedOptions(name="deepspeed", zero_stage=3).memory_layout(world_size))
+    if device_type != "cpu":
+        out["FSDP, CPU offload"] = ({"strategy.name": "fsdp", "strategy.cpu_offload": True},
+                                    FSDPOptions(name="fsdp", cpu_offload=True).memory_layout(world_size))
+    return out
+
+
+def fitting_changes(sizes: ModelSizes, s: Setting, available: int) -> list[MemoryAdvice]:
+    """The changes that would bring one rank under `available` bytes, each with its figure."""
+    return alternatives(sizes, s, available, sharding_strategies(s.world_size, s.device_type))
+
+
+def _merge(current: Setting, option: Setting, base: Setting) -> Setting:
+    """`current` with whatever `option` changed from `base`."""
+    changed = {f: getattr(option, f) for f in Setting.__dataclass_fields__ if getattr(option, f) != getattr(base, f)}
+    return replace(current, **changed)
+
+
+def _advice(sizes: ModelSizes, changes: dict, setting: Setting, available: int, what: str) -> MemoryAdvice:
+    planned = plan(sizes, setting)
+    return MemoryAdvice(changes, planned, planned.per_rank <= available, what)
+
+
+__all__ = ["MemoryAdvice", "MemoryLayout", "MemoryPlan", "ModelSizes", "Part", "Setting", "alternatives", "gib",
+           "optimizer_tensors", "plan", "setting_of"]
