@@ -469,7 +469,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise RecipeError(errors)
-    print(describe(resolved, args.recipe, args.overrides))
+    from .doctor.resources import memory_verdict
+    from .recipe.plan import memory_lines
+
+    print(describe(resolved, args.recipe, args.overrides, memory_lines(memory_verdict(resolved.recipe))))
     for p in problems:
         print(p, file=sys.stderr)
     return EXIT_OK

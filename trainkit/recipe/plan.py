@@ -21,7 +21,8 @@ def _cluster_lines(resolved: Resolved) -> tuple[Resolved, list[str]]:
     return cluster.applied(resolved, detected), detected.lines()
 
 
-def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> str:
+def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str], memory: Sequence[str] = ()) -> str:
+    """`memory`: the memory plan's lines (`memory_lines`), computed by the caller (it needs torch)."""
     resolved, detected = _cluster_lines(resolved)
     r = resolved.recipe
     lines = ["# resolved recipe (secrets from the environment shown as ***)",
@@ -44,8 +45,22 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str]) -> 
     lines += detected
     lines += _strategy_lines(r)
     lines.append(f"files:           {', '.join(resolved.files)}")
-    lines += ["", *_launch_lines(r)]
+    lines += [*memory, "", *_launch_lines(r)]
     return resolved.redact_text("\n".join(lines))
+
+
+def memory_lines(verdict) -> list[str]:
+    """The memory plan (doctor.resources.MemoryVerdict) as `trainkit plan` shows it: the parts of one
+    rank, the memory it has here, and when it will not fit, the changes that would (docs/memory.md)."""
+    if verdict is None:
+        return ["memory per rank: unknown (the model does not build on the meta device)"]
+    fits = "fits" if verdict.fits else "WILL NOT FIT: `trainkit run` refuses to start"
+    lines = [*verdict.plan.lines(), f"  {'available:':<28}{verdict.budget / (1 << 30):>6.2f} GiB  "
+                                    f"{verdict.budget_how} -> {fits}"]
+    if verdict.advice and not verdict.fits:
+        head = "what would fit" if any(a.fits for a in verdict.advice) else "nothing single fits here; closest"
+        lines += [f"  {head} (predicted per rank):", *[f"  {line}" for line in verdict.advice_lines()]]
+    return lines
 
 
 def _launch_lines(r) -> list[str]:
