@@ -166,16 +166,15 @@ def test_a_recipe_cannot_make_the_run_write_outside_the_working_directory(repo, 
     assert not list(repo.parent.glob("escape*")) and not os.path.exists("/tmp/escape-tb")
 
 
-def test_a_single_process_run_listens_on_no_port(tmp_path):
-    """Issue 25, case 5: the in-process worker of a world-size-1 run served torch's TCPStore on every
-    interface. It needs no rendezvous: while it trains, no process of the run listens on anything but
-    loopback (gloo's own pair socket binds the loopback address it resolves)."""
+def listening_while_training(tmp_path, name: str, nproc: int) -> set:
+    """Run a real `trainkit run` of `nproc` processes on this node and return every (address, port,
+    process) its process tree listened on while it trained (sampled every 0.2 s)."""
     import psutil
 
     from run_helpers import env_for, mlp_recipe
 
-    recipe = mlp_recipe(tmp_path, "alone", trainer={"max_steps": 40, "log_every": 10},
-                        launch={"nproc_per_node": 1})
+    recipe = mlp_recipe(tmp_path, name, trainer={"max_steps": 40, "log_every": 10},
+                        launch={"nproc_per_node": nproc})
     proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
                             env=env_for(tmp_path, TRAINKIT_FAULT_DELAY="rank=0,ms=100"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -186,11 +185,11 @@ def test_a_single_process_run_listens_on_no_port(tmp_path):
             try:
                 tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
                 for p in tree:
-                    seen |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
-                             if c.status == psutil.CONN_LISTEN}
+                    seen |= {(c.laddr.ip, c.laddr.port, " ".join(p.cmdline()[:4]))
+                             for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
             except psutil.Error:
                 pass
-            trained = trained or (tmp_path / "runs" / "alone" / "metrics.jsonl").exists()
+            trained = trained or (tmp_path / "runs" / name / "metrics.jsonl").exists()
             time.sleep(0.2)
         out = proc.communicate(timeout=60)[0]
     finally:
@@ -198,6 +197,28 @@ def test_a_single_process_run_listens_on_no_port(tmp_path):
             os.killpg(proc.pid, 9)
     assert proc.returncode == 0, out
     assert trained, "the run finished before it could be observed"
+    return seen
+
+
+def not_loopback(seen: set) -> set:
     import ipaddress
 
-    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in seen), seen
+    return {entry for entry in seen if not ipaddress.ip_address(entry[0]).is_loopback}
+
+
+def test_a_single_process_run_listens_on_no_port(tmp_path):
+    """Issue 25, case 5: the in-process worker of a world-size-1 run served torch's TCPStore on every
+    interface. It needs no rendezvous: while it trains, no process of the run listens on anything but
+    loopback (gloo's own pair socket binds the loopback address it resolves)."""
+    seen = listening_while_training(tmp_path, "alone", nproc=1)
+    assert not not_loopback(seen), seen
+
+
+def test_a_single_node_run_of_several_processes_listens_on_loopback_only(tmp_path):
+    """Issue 25, case 5: a 2-process run served torchrun's rendezvous store (the launcher's
+    `pt_elastic` TCPStore) and rank 0's store on every interface, unauthenticated. Ranks on one node
+    meet on loopback: while it trains, every listening socket of the launcher and its workers is on
+    127.0.0.1 or ::1 (and the run does listen: its ranks meet through a store)."""
+    seen = listening_while_training(tmp_path, "pair", nproc=2)
+    assert seen, "no listening socket was observed: the ranks must meet somewhere"
+    assert not not_loopback(seen), not_loopback(seen)

@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,7 +35,7 @@ from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOG
 from ..runtime import preflight
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
-from . import failures
+from . import failures, rendezvous_store
 from .lock import LaunchLock, LockHeld, describe, job_identity
 
 COMPLETED = "interrupted after training completed; final checkpoint and summary are complete"
@@ -71,7 +71,8 @@ def _environment() -> dict:
     return env
 
 
-def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str], start_fresh: bool) -> tuple[Path, Path]:
+def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str], start_fresh: bool,
+                    rendezvous: Optional[rendezvous_store.Rendezvous] = None) -> tuple[Path, Path]:
     """Create RUN_DIR and this launch's record; returns (run_dir, launch_dir). `start_fresh` (the
     resume decision for `resume: never`): the previous checkpoints and MLflow spool are set aside."""
     import yaml
@@ -109,7 +110,7 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str], start_
     command = ["trainkit", "run", recipe_path, *overrides]
     lines = [shlex.join(command)]
     if (recipe.world_size or 2) > 1:
-        lines.append(shlex.join(torchrun_command(recipe, run_dir)))
+        lines.append(shlex.join(_torchrun_command(recipe, run_dir, rendezvous)))
     (launch_dir / COMMAND).write_text(resolved.redact_text("\n".join(lines)) + "\n")
     write_json(launch_dir / ENVIRONMENT, _environment())
     return run_dir, launch_dir
@@ -194,7 +195,16 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
     decision = decide_at_launch(resolved, run_dir_for(recipe), accept_changes)
     if decision.exit_code is not None:
         return decision.exit_code
-    run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides, decision.start_fresh)
+    in_process = recipe.world_size == 1
+    with nullcontext() if in_process else rendezvous_store.served(recipe) as rendezvous:
+        return _train(resolved, recipe_path, overrides, decision, rendezvous, tracking_job, wait_for_run_s)
+
+
+def _train(resolved, recipe_path: str, overrides: Sequence[str], decision,
+           rendezvous: Optional[rendezvous_store.Rendezvous], tracking_job: Optional[str], wait_for_run_s: float) -> int:
+    """This launch's record, its MLflow run, the workers (in this process or under torchrun), the close."""
+    recipe = resolved.recipe
+    run_dir, launch_dir = prepare_run_dir(resolved, recipe_path, overrides, decision.start_fresh, rendezvous)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarts are flaky without it (pytorch#135712)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's C++ chatter is not for the console
     os.environ["TRAINKIT_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
@@ -211,7 +221,7 @@ def _launch(resolved, recipe_path: str, overrides: Sequence[str], accept_changes
         delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
         code, reason = _run_in_process(run_dir, launch_dir, resolved.redact_text) if in_process else \
-            _run_torchrun(recipe, run_dir, launch_dir, resolved.redact_text)
+            _run_torchrun(recipe, run_dir, launch_dir, resolved.redact_text, rendezvous)
     except BaseException:
         if delivery is not None:
             delivery.close(timeout=5.0)
@@ -329,7 +339,14 @@ def _run_in_process(run_dir: Path, launch_dir: Path, redact=str) -> tuple[int, s
                 os.environ[k] = v
 
 
-def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -> tuple[int, str]:
+def _torchrun_command(recipe: Recipe, run_dir: Path, rendezvous: Optional[rendezvous_store.Rendezvous]) -> list[str]:
+    """The torchrun command of this launch: the planned one, joining the store trainkit serves."""
+    command = torchrun_command(recipe, run_dir)
+    return rendezvous.torchrun_command(command) if rendezvous else command
+
+
+def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
+                  rendezvous: Optional[rendezvous_store.Rendezvous] = None) -> tuple[int, str]:
     """torchrun's agent in this process; `redact` masks secrets in the failure report it prints."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -337,7 +354,7 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str) -
 
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
-    cmd = torchrun_command(recipe, run_dir)
+    cmd = _torchrun_command(recipe, run_dir, rendezvous)
     announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
                                           fatal_marker=lambda: read_fatal(run_dir),
                                           max_restarts=recipe.launch.max_restarts)
