@@ -23,7 +23,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"model": {"name": "mlp", "args": {"in_features": 48, "hidden": 32, "num_classes": 4, "depth": 3}},
             "data": {"name": "synthetic", "shape": [3, 4, 4], "num_classes": 4, "batch_size": 4,
                      "num_samples": 64}},
-    "resnet18": {"model": {"name": "torchvision.resnet18", "args": {"num_classes": 4}},
+    "resnet18": {"statistics_per_rank": True,  # BatchNorm: each rank normalises over its own samples
+                 "model": {"name": "torchvision.resnet18", "args": {"num_classes": 4}},
                  "data": {"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "batch_size": 4,
                           "num_samples": 64}},
     "transformer": {"model": {"name": "transformer", "args": {"vocab_size": 320, "dim": 32, "layers": 2,
@@ -102,10 +103,34 @@ class Cell:
     def recipe(self) -> dict[str, Any]:
         """The whole recipe this cell is: the base, then each axis's fragment merged in."""
         out = merge(BASE, {"name": self.id.replace("+", "-")})
-        for fragment in (MODELS[self.model], {"strategy": strategy_block(self.strategy, self.model)},
+        model = {k: v for k, v in MODELS[self.model].items() if k != "statistics_per_rank"}
+        for fragment in (model, {"strategy": strategy_block(self.strategy, self.model)},
                          PRECISIONS[self.precision], OPTIONS[self.option], INITS[self.init]):
             out = merge(out, fragment)
         return out
+
+
+    def reference(self) -> tuple[dict[str, Any], int]:
+        """(recipe, ranks) of the run this cell's loss trajectory must follow: the same recipe under
+        DDP, every sample in the same group of samples per forward pass as in the cell.
+
+        One process with the global batch, where a forward over several ranks' samples equals one over
+        their union (no per-batch statistics). A model with BatchNorm normalises over each rank's (and
+        each pipeline micro-batch's) own samples, so its reference is DDP on as many ranks as the cell
+        has data-parallel replicas, each micro-batch a gradient-accumulation step. Compile is left
+        out of the reference (the same arithmetic, and a compile costs more than the cell)."""
+        recipe = self.recipe()
+        block, batch = recipe["strategy"], recipe["data"]["batch_size"]
+        microbatches = block.get("microbatches", 1)
+        replicas = block.get("data_parallel", 1) if "microbatches" in block else WORLD
+        ranks = replicas if MODELS[self.model].get("statistics_per_rank") else 1
+        accum = recipe["trainer"].get("grad_accum_steps", 1) * microbatches
+        reference = merge(recipe, {"strategy": {"name": "ddp"}, "launch": {"nproc_per_node": ranks},
+                                   "data": {"batch_size": batch * replicas // (microbatches * ranks)},
+                                   "trainer": {"grad_accum_steps": accum},
+                                   "performance": {"compile": False}})
+        reference["strategy"] = {"name": "ddp"}
+        return reference, ranks
 
 
 def strategy_block(strategy: str, model: str) -> dict[str, Any]:
@@ -144,3 +169,16 @@ def declared_cells() -> list[Cell]:
 
 def find(cell_id: str) -> Optional[Cell]:
     return next((c for c in declared_cells() if c.id == cell_id), None)
+
+
+# relative tolerance of each step's loss against the reference run, per precision, and why
+TOLERANCE: dict[str, tuple[float, str]] = {
+    "fp32": (1e-5, "the same arithmetic in another summation order (per-rank means averaged, shards "
+                   "reduced): ~1e-7 per step; a missed reduction or a wrong sample split moves the loss "
+                   "by 1e-3 or more"),
+    "bf16": (3e-2, "autocast rounds each matmul/convolution output to 8 significant bits (2^-8 = 0.4%); "
+                   "the cell and its reference round partial sums of different shapes (half-batches, "
+                   "shards), and those differences pass through 3 optimizer steps"),
+    "fp16-dynamic": (5e-3, "11 significant bits (2^-11 = 0.05% per rounding), the same reasoning as bf16"),
+    "fp16-fixed": (5e-3, "as fp16 dynamic: a fixed scale changes no arithmetic while nothing overflows"),
+}

@@ -1,0 +1,89 @@
+"""docs/compatibility.md, generated from the declared cells, validate's verdict on each and the
+recorded verification results (docs/compatibility-results.json, written by the grid test with
+TRAINKIT_GRID_RECORD set). `python -m trainkit.recipe.compatibility --markdown` prints it;
+tests/test_compatibility.py checks the committed page equals it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .grid import MODELS, OPTIONS, PRECISIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, Cell, core_cells, \
+    pairwise_cells
+from .status import Status, statuses
+
+RESULTS = Path(__file__).resolve().parents[3] / "docs" / "compatibility-results.json"
+COMMAND = "python -m trainkit.recipe.compatibility --markdown > docs/compatibility.md"
+
+
+def load_results(path: Path = RESULTS) -> dict[str, Any]:
+    """{cell id: {device kind: record}}: what the last verification run found for each cell."""
+    return json.loads(path.read_text())["cells"] if path.is_file() else {}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    core, pairs = statuses(core_cells()), statuses(pairwise_cells())
+    refusals: dict[str, int] = {}
+    for status in core + pairs:
+        for message in status.refusals:
+            refusals.setdefault(message, len(refusals) + 1)
+    lines = [*_intro(results), "", "## Core grid: strategy x model family x precision", "",
+             f"No performance option, `model.init: seeded`, {WORLD} ranks, {STEPS} steps.", ""]
+    for model in MODELS:
+        lines += _core_table(model, [s for s in core if s.cell.model == model], results, refusals)
+    lines += ["## Pairs: strategy x performance option x precision x model family x init", "",
+              "Every pair of values of any two of these axes appears in at least one row (a deterministic "
+              "all-pairs set, `trainkit/recipe/compatibility/pairwise.py`).", "",
+              "| strategy | option | precision | model | init | status |", "|---|---|---|---|---|---|"]
+    lines += [f"| {s.cell.strategy} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | {s.cell.init} | "
+              f"{_verdict(s, results, refusals)} |" for s in pairs]
+    lines += ["", "## Refused, and what to use instead", "",
+              "Each refusal is `trainkit validate`'s own message, from the rule the strategy or option owns.", ""]
+    lines += [f"{n}. {message}" for message, n in refusals.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _intro(results: dict[str, Any]) -> list[str]:
+    runs = sorted({(kind, r["device"], r["date"], r["command"]) for cell in results.values()
+                   for kind, r in cell.items()})
+    return ["# Compatibility", "",
+            f"<!-- generated: {COMMAND} -- do not edit -->", "",
+            "Which combinations of strategy, precision, performance option, model family and initial "
+            "weights train, and which `trainkit validate` refuses before anything starts. Each cell is a "
+            "recipe (`trainkit/recipe/compatibility/grid.py`); its status is what `trainkit validate` "
+            "says of it, and every cell it accepts was trained by the verification runner "
+            "(`tests/test_compatibility.py`): its loss at every step follows a reference run within "
+            "the tolerance of its precision, a checkpoint resumes to the same losses, and `trainkit "
+            "export`'s state dict loads (strict) into the plain model.", "",
+            "The reference is the same recipe under DDP, every sample in the same group per forward "
+            "pass: one process with the global batch; for a model with BatchNorm (statistics of each "
+            "rank's and each pipeline micro-batch's own samples), DDP on as many ranks as the cell has "
+            "replicas, one gradient-accumulation step per micro-batch (so DDP's own BatchNorm cells are "
+            "their own reference: they are checked for training, resume and export).", "",
+            "| precision | tolerance (relative, each step's loss) | why |", "|---|---|---|",
+            *[f"| {p} | {tol:g} | {why} |" for p, (tol, why) in TOLERANCE.items()], "",
+            "Verification runs recorded here:", "",
+            *[f"- {kind}: {device}, {date}: `{command}`" for kind, device, date, command in runs], "",
+            "Legend: **CPU** verified on CPU (gloo), **GPU** verified on CUDA (nccl), **refused (n)** "
+            "refused by `trainkit validate` with message n below, **not verified** accepted but not run."]
+
+
+def _core_table(model: str, rows: list[Status], results: dict[str, Any], refusals: dict[str, int]) -> list[str]:
+    head = ["", f"### {model}", "", "| strategy | " + " | ".join(PRECISIONS) + " |",
+            "|---|" + "---|" * len(PRECISIONS)]
+    by_cell = {s.cell: s for s in rows}
+    body = [f"| {strategy} | " + " | ".join(_verdict(by_cell[Cell(strategy, model, p)], results, refusals)
+                                            for p in PRECISIONS) + " |" for strategy in STRATEGIES]
+    return head + body + [""]
+
+
+def _verdict(status: Status, results: dict[str, Any], refusals: dict[str, int]) -> str:
+    if status.refused:
+        return "refused (" + ", ".join(str(refusals[m]) for m in status.refusals) + ")"
+    recorded = results.get(status.cell.id, {})
+    kinds = [kind.upper() for kind in ("cpu", "gpu") if recorded.get(kind, {}).get("result") == "verified"]
+    return " + ".join(kinds) or "not verified"
+
+
+__all__ = ["COMMAND", "RESULTS", "load_results", "markdown", "OPTIONS"]

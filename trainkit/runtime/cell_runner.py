@@ -1,0 +1,138 @@
+"""Train many small recipes in one launch: `python -m trainkit.runtime.cell_runner CELLS.json`
+(under torchrun for several ranks, or plainly for one process).
+
+Why: a 2-rank launch spends ~10-15 s importing torch, DeepSpeed and the rest on 2 CPU cores, and a
+grid cell trains for about a second. Each rank here imports once, joins the process group once (a
+group destroyed and joined again under one torchrun reads the first incarnation's stale gloo
+addresses from the agent's store), and then runs each listed run directory as a launched worker
+would: `worker.train`, the worker's composition root (build every component from the recipe, resume
+if a checkpoint is there, run the loop), one after another. Per run directory (its `recipe.yaml`
+written by the caller) it checks:
+
+1. train: `worker.train` to the recipe's max_steps;
+2. resume: the last checkpoint removed, `worker.train` again resumes from the one before and redoes
+   the last steps (the resumed losses are what metrics.jsonl holds afterwards);
+3. export (rank 0): the final checkpoint consolidated by `trainkit export`'s own function loads,
+   strict, into the plain model the recipe names.
+
+Rank 0 writes RUN_DIR/cell-result.json (losses of each pass, export outcome, or the error). A
+failing cell is recorded and the next one runs: the other ranks leave the failed collective at the
+recipe's launch.timeout_s at worst, and every rank meets again at the next cell's rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+RESULT = "cell-result.json"
+
+
+def run_cells(run_dirs: list[Path], *, resume: bool) -> None:
+    import torch.distributed as dist
+
+    for run_dir in run_dirs:
+        dist.barrier()
+        result: dict = {"run_dir": str(run_dir)}
+        try:
+            result["losses"] = _train(run_dir)
+            if resume:
+                result["resumed_from"] = _drop_last_checkpoint(run_dir) if _rank() == 0 else None
+                result["resumed_losses"] = _train(run_dir)
+                result["export"] = _export(run_dir) if _rank() == 0 else None
+        except BaseException as exc:  # noqa: BLE001 -- recorded, and the next cell runs
+            result["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+        if _rank() == 0:
+            (run_dir / RESULT).write_text(json.dumps(result, indent=1))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _train(run_dir: Path) -> dict[int, float]:
+    import torch.distributed as dist
+
+    from ..recipe import resolve
+    from .worker import train
+
+    resolved = resolve(run_dir / "recipe.yaml")
+    dist.barrier()  # rank 0 has set the checkpoints up for this pass
+    train(run_dir, resolved.recipe, resolved.redacted(), _device())
+    if _rank() != 0:
+        return {}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "checkpoints").iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def _drop_last_checkpoint(run_dir: Path) -> str:
+    """Remove the newest checkpoint so the next launch resumes from the one before (rank 0 does it
+    before it joins the next rendezvous, so no rank decides on a resume before it is gone)."""
+    *earlier, last = _checkpoints(run_dir)
+    shutil.rmtree(last)
+    return earlier[-1].name
+
+
+def _export(run_dir: Path) -> dict:
+    """The final checkpoint as `trainkit export` writes it, loaded strict into the plain model."""
+    import torch
+
+    from ..recipe import resolve
+    from .export import consolidated_state_dict
+    from .model import build_model
+
+    recipe = resolve(run_dir / "recipe.yaml").recipe
+    folder = _checkpoints(run_dir)[-1]
+    strategy, state = consolidated_state_dict(folder)
+    model = build_model(recipe.model)
+    model.load_state_dict(state, strict=True)
+    finite = all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
+    return {"checkpoint": folder.name, "strategy": strategy, "tensors": len(state), "finite": bool(finite)}
+
+
+def _device():
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def main(argv: list[str]) -> int:
+    """Join the group once (nccl with CUDA, else gloo), run every listed cell, leave."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from .process_group import init_process_group
+    from .warnings_once import show_each_warning_once
+
+    show_each_warning_once()
+    spec = json.loads(Path(argv[0]).read_text())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(_device())
+    init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=120))
+    try:
+        run_cells([Path(p) for p in spec["run_dirs"]], resume=spec.get("resume", True))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as the worker: no interpreter finalization racing gloo's threads
