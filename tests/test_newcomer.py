@@ -5,10 +5,17 @@ first mistakes."""
 from __future__ import annotations
 
 import re
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 
-from conftest import REPO
-from run_helpers import trainkit
+import psutil
+
+from conftest import REPO, TRAINKIT
+from run_helpers import env_for, trainkit
 
 BARE = re.compile(r"^(trainkit|pip|pytest)\b")  # found on PATH only once the venv is activated
 
@@ -61,3 +68,59 @@ def test_the_distribution_has_its_own_name_on_the_package_index_and_plugins_depe
     installed = distribution(DISTRIBUTION)  # the checkout installed under that name, its command still `trainkit`
     assert "trainkit = trainkit.cli:main" in installed.read_text("entry_points.txt")
     assert set(names("strategies", builtin_only=True)) >= {"ddp", "fsdp", "pipeline", "deepspeed"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binding it would
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def wait_for_line(path, needle: str, proc: subprocess.Popen, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = path.read_text() if path.exists() else ""
+        if needle in text:
+            return text
+        time.sleep(0.1)
+    raise AssertionError(f"no {needle!r} in {timeout}s (exit {proc.poll()}): {path.read_text()}")
+
+
+def test_ui_prints_its_url_once_the_page_answers_and_sigterm_stops_the_whole_server(tmp_path):
+    """`trainkit ui` SIGTERMed (a service manager, `kill`) left uvicorn, the job runner and huey
+    consumers serving on the port; and it printed its URL 10-16 s before the page answered."""
+    port, out = free_port(), tmp_path / "ui.out"
+    with open(out, "w") as stdout, open(tmp_path / "ui.err", "w") as stderr:
+        ui = subprocess.Popen([*TRAINKIT, "ui", "--uri", f"sqlite:///{tmp_path}/mlflow.db", "--port", str(port)],
+                              cwd=tmp_path, env=env_for(tmp_path), stdout=stdout, stderr=stderr,
+                              start_new_session=True)
+    server = []
+    try:
+        wait_for_line(out, f"http://127.0.0.1:{port}", ui)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:  # answers when announced
+            assert page.status == 200
+        server = psutil.Process(ui.pid).children(recursive=True)
+        assert len(server) >= 3, server  # mlflow ui, uvicorn, the job runner, ...
+        ui.send_signal(signal.SIGTERM)
+        assert ui.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(server, timeout=15)
+        assert not alive, [p.info if hasattr(p, "info") else p for p in alive]
+        assert port_is_free(port)
+    finally:
+        ui.kill()
+        for proc in server:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        ui.wait(timeout=10)

@@ -242,11 +242,11 @@ def test_uri_credentials_are_masked_and_split_off():
 
 def test_ui_binds_loopback_by_default_and_warns_elsewhere(monkeypatch, capsys):
     from trainkit.cli import build_parser
-    from trainkit.tracking import browse
+    from trainkit.tracking import browse, ui_server
 
     assert build_parser().parse_args(["ui"]).host == "127.0.0.1"
     calls = []
-    monkeypatch.setattr(browse.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(ui_server, "serve", lambda cmd, health_url, announce: calls.append(cmd) or 0)
     browse.ui("sqlite:///x.db")
     assert calls[-1][calls[-1].index("--host") + 1] == "127.0.0.1"
     assert "no authentication" not in capsys.readouterr().err
