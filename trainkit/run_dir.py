@@ -50,6 +50,10 @@ BREAKDOWN = "breakdown.json"  # the evidence: per-rank step phases, env, wall ti
 BOTTLENECK = "bottleneck.md"  # the bottleneck report for people
 VERDICT = "verdict.json"  # the verdict and advice as tags (tracking turns them into MLflow run tags)
 GPU = "gpu.json"  # the gpu monitor's utilisation over the run
+CUDA_OOM_SNAPSHOT = "cuda-oom-rank{rank}.pickle"  # the allocator's history when a rank ran out of GPU memory
+
+# RUN_DIR/live/
+RANK_MEMORY = "memory-rank{rank}.json"  # each rank's phase, peak memory and limit (the OOM report reads it)
 
 WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up: no
 #                   step statistics (metrics.jsonl's step_time_s, the report's medians) before step 3
@@ -70,8 +74,11 @@ LAYOUT = (
                                  f"{ENVIRONMENT} (secret-looking variables keep their name, not their value), "
                                  f"{FAILURE} (why it failed)"),
     (f"{REPORTS}/", f"{BREAKDOWN} (the evidence), {BOTTLENECK} (the report), {VERDICT} (run tags), "
-                    f"{GPU} (gpu monitor), cuda-memory-rank<R>.pickle (memory monitor snapshots)"),
+                    f"{GPU} (gpu monitor), cuda-memory-rank<R>.pickle (memory monitor snapshots), "
+                    f"cuda-oom-rank<R>.pickle (the GPU memory history of a rank that ran out, docs/memory.md)"),
     (f"{LIVE}/{BREAKDOWN}", "every rank's step phases of the last log interval, for `trainkit top`"),
+    (f"{LIVE}/memory-rank<R>.json", "each rank's phase (build, step N, checkpoint N, end), peak memory and limit: "
+                                    "what the out-of-memory report says"),
     (f"{TRACKING}/", "the MLflow spool: what is still to be delivered"),
     (f"{PROFILER}/", "profiler monitor traces"),
     (f"{TENSORBOARD}/", "tensorboard monitor events"),
@@ -228,6 +235,10 @@ def read_evidence(run_dir: Path) -> dict:
 
 def live_breakdown_path(run_dir: Path) -> Path:
     return Path(run_dir) / LIVE / BREAKDOWN
+
+
+def rank_memory_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / LIVE / RANK_MEMORY.format(rank=rank)
 
 
 # --------------------------------------------------------------------------- launches/<timestamp>/

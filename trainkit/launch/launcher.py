@@ -35,7 +35,7 @@ from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOG
 from ..runtime import preflight
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
-from . import failures, rendezvous_store
+from . import failures, oom, rendezvous_store
 from .lock import LaunchLock, LockHeld, describe, job_identity
 
 COMPLETED = "interrupted after training completed; final checkpoint and summary are complete"
@@ -296,16 +296,30 @@ def latest_launch(run_dir: Path) -> Optional[Path]:
 
 def close_run_left_open(run_dir: Path, announce: bool) -> Optional[str]:
     """Close the MLflow run a dead launch left RUNNING (its status from what the run dir proves),
-    and deliver."""
+    and deliver. Called with no live launch in `run_dir`: a record cut mid-line is then a tear, and a
+    run a torn spool left open is closed saying so (the launch may not have died at all)."""
     if not (run_dir / TRACKING).is_dir():
         return None
+    from ..tracking import recovery
+
     launch_dir = latest_launch(run_dir)
-    status = tracking.close_dead_launch_run(run_dir, launch_dir, completed(run_dir, launch_dir))
+    finished = completed(run_dir, launch_dir)
+    torn = recovery.repair(run_dir)
+    if torn and tracking.open_status(run_dir) == "RUNNING":
+        status, why = recovery.close_left_open(run_dir, launch_dir, finished), \
+            "the MLflow run was left open by a torn tracking spool"
+    else:
+        status, why = tracking.close_dead_launch_run(run_dir, launch_dir, finished), \
+            f"the previous launch ({launch_dir.name if launch_dir else '?'}) died without closing its MLflow run"
+    if torn and announce:
+        for line in recovery.report(run_dir)[0]:
+            print(f"trainkit: tracking: {line}", file=sys.stderr, flush=True)
     if status:
         deliver(run_dir)  # best effort now; what fails waits in the spool for the next delivery
+        if torn:
+            recovery.closed(run_dir)  # announced here once the server holds it, not again by `trainkit sync`
         if announce:
-            print(f"trainkit: tracking: the previous launch ({launch_dir.name if launch_dir else '?'}) died "
-                  f"without closing its MLflow run; marked {status}", file=sys.stderr, flush=True)
+            print(f"trainkit: tracking: {why}; marked {status}", file=sys.stderr, flush=True)
     return status
 
 
@@ -355,20 +369,24 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
     cmd = _torchrun_command(recipe, run_dir, rendezvous)
+    kills_before = oom.kills_now()  # a rank the OOM killer ends is an out-of-memory failure, not a restart
     announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
-                                          fatal_marker=lambda: read_fatal(run_dir),
+                                          fatal_marker=lambda: oom.marker_or_kill(run_dir, kills_before,
+                                                                                  announcer.failed),
                                           max_restarts=recipe.launch.max_restarts)
     try:
         with announcer:
             torchrun.run(torchrun.parse_args(cmd[1:]))
     except ChildFailedError as err:
-        report = redact(failures.summarize(err, run_dir / LOGS, recipe.launch.max_restarts))
+        report = redact(oom.explain(failures.summarize(err, run_dir / LOGS, recipe.launch.max_restarts), err,
+                                    run_dir, kills_before, recipe))
         print(report, file=sys.stderr)
         return 1, _with_disk_full_note(report, run_dir)
     except SignalException as exc:
         if announcer.fatal is not None:  # a rank's failure no restart can fix: the agent was stopped for it
             reason = redact(f"training failed: {announcer.fatal['message']}; not restarting (a restart would "
-                            f"repeat it; worker logs: {run_dir / LOGS})")
+                            f"repeat it; worker logs: {run_dir / LOGS})"
+                            + (f"\n{oom.advice(recipe)}" if oom.is_out_of_memory(announcer.fatal) else ""))
             print(f"trainkit: {reason}", file=sys.stderr, flush=True)
             return 1, _with_disk_full_note(reason, run_dir)
         return _stopped(int(exc.sigval), run_dir, launch_dir)

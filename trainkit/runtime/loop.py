@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..recipe.schema import Recipe
+from . import memory_watch
 from .nonfinite import NonFiniteError, NonFiniteGuard, restore_buffers, snapshot_buffers
 from .protocols import Checkpointer, MetricSink, MonitorHooks, NoMonitors, Precision, Progress, Strategy, Task
 from .stats import RunStats
@@ -266,6 +267,7 @@ class Loop:
                 wall.startup_s = time.time() - wall.process_start
             side = 0.0  # this iteration's evaluation, logging and checkpoint time
             self.monitors.call("on_step_start", self.state.step + 1)
+            memory_watch.phase(f"step {self.state.step + 1}")  # what an out-of-memory report names
             loss, grad_norm, times = self.train_step(data)
             if not self.skipped:  # a discarded step's NaN would make the interval's mean NaN
                 self.interval_losses.append(loss.detach().float().reshape(()))
@@ -295,6 +297,7 @@ class Loop:
                 metrics.update(self.stats.interval_means())  # step_time_s, data_wait_s (this rank)
                 if self.eval_loader is not None and t.eval_every and (step % t.eval_every == 0 or last):
                     e0 = time.perf_counter()
+                    memory_watch.phase(f"evaluation at step {step}")
                     evaluated = self.evaluate()
                     e_s = time.perf_counter() - e0
                     wall.eval_s += e_s
@@ -315,6 +318,7 @@ class Loop:
             if (t.checkpoint.every and step % t.checkpoint.every == 0) or last:
                 c0 = time.perf_counter()
                 self._stop_if_nonfinite(step, weights=True)  # a NaN never reaches a checkpoint
+                memory_watch.phase(f"checkpoint at step {step}")
                 last_ckpt = self.checkpointer.save(step, self.model, self.optimizer, self.trainer_state())
                 self.last_checkpoint = last_ckpt
                 self.monitors.call("on_checkpoint", step, last_ckpt)

@@ -36,7 +36,7 @@ from ..recipe.schema import Recipe
 from ..run_dir import CHECKPOINTS, METRICS, RECIPE
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
-from . import accepted_changes, error_file, fatal, resume
+from . import accepted_changes, error_file, fatal, memory_watch, resume
 from .checkpoint import Checkpointer, DiskFullError, saved_recipe
 from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
@@ -159,6 +159,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         raise
     finally:
         _close_sinks([sink for sink in sinks if sink is not progress], failing=sys.exc_info()[0] is not None)
+    memory_watch.phase("end of run")  # the replica check, summary and reports
     if summary["checkpoint"] is None and source is not None:
         summary["checkpoint"] = str(source)
     summary["resumed_from"] = str(source) if source else None
@@ -202,6 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
+        memory_watch.start(run_dir, dist.get_rank(), device)  # phase and peak, for an out-of-memory report
         # before the model, optimizer and data allocate: glibc settings apply to later allocations
         applied_malloc = host_malloc.apply(host_malloc.for_recipe(recipe, device.type))
         summary = train(run_dir, recipe, resolved.redacted(), device)  # what checkpoints record: no secrets
@@ -212,6 +214,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(console, flush=True)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
     except Exception as exc:
+        if memory_watch.is_out_of_memory(exc):  # deterministic: the marker stops restarts repeating it
+            exc = memory_watch.explained(exc)
+            fatal.record(run_dir, exc)
         error_file.report_and_exit(exc, resolved.redact_text)
     except StopRequested as stop:
         print(f"trainkit: rank {dist.get_rank()} stopping on {stop}", file=sys.stderr, flush=True)

@@ -1,0 +1,146 @@
+"""The memory plan before launch and out-of-memory explained (issue 28, items 2 and 3).
+
+The limits are real: a memory cgroup (what a container's `--memory` or a Kubernetes limit is), made
+by the test (root, as on the test machines and in CI; skipped where no memory cgroup can be made).
+Inside it the kernel's OOM killer ends a rank with SIGKILL, as it does for a user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from run_helpers import Result, env_for, mlp_recipe, trainkit
+
+GiB = 1 << 30
+MiB = 1 << 20
+# ~50M parameters: DDP with AdamW needs ~1.6 GiB a rank, FSDP over 2 ranks ~1.1 GiB (the plan's figures)
+BIG_MLP = {"name": "mlp", "args": {"in_features": 4096, "hidden": 4096, "depth": 3, "num_classes": 4}}
+
+
+@contextmanager
+def memory_cgroup(limit: int):
+    """A memory cgroup limited to `limit` bytes (v1 or v2); yields the file that takes a process in."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    folder = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / f"trainkit-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        folder.mkdir()
+        (folder / ("memory.limit_in_bytes" if v1.is_dir() else "memory.max")).write_text(str(limit))
+    except OSError as exc:
+        pytest.skip(f"needs a memory cgroup this test can create (root, cgroup memory controller): {exc}")
+    try:
+        yield folder / "cgroup.procs"
+    finally:
+        for _ in range(100):  # the processes are gone once their parent reaped them
+            try:
+                folder.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def in_cgroup(procs: Path, *args: str) -> list[str]:
+    """A command line that joins the cgroup, then becomes `args` (the same pid)."""
+    return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *args]
+
+
+def trainkit_in(procs: Path, tmp: Path, *args: str, timeout: float = 120) -> Result:
+    proc = subprocess.run(in_cgroup(procs, sys.executable, "-m", "trainkit.cli", *args), cwd=tmp,
+                          env=env_for(tmp), capture_output=True, text=True, timeout=timeout)
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_plan_shows_memory_and_a_run_that_cannot_fit_is_refused_naming_what_fits(tmp_path):
+    """Guards item 2: `trainkit plan` prints each rank's predicted memory part by part; in a 3 GiB
+    container the same recipe (DDP, 2 ranks) does not fit, and `doctor` and `run` say so before any
+    worker starts, reading the cgroup's limit (the host has far more), with the changes that fit and
+    their figures."""
+    recipe = mlp_recipe(tmp_path, "big", model=BIG_MLP, optimizer={"name": "adamw", "lr": 1e-3},
+                        data={"shape": [4096]}, trainer={"max_steps": 2})
+    plan = trainkit(tmp_path, "plan", str(recipe))
+    assert plan.returncode == 0, plan.output
+    for part in ("memory per rank:", "parameters:", "gradients:", "optimizer state:", "gradient buckets:",
+                 "activations:", "runtime:", "available:"):
+        assert part in plan.stdout, plan.stdout
+    assert "x 2 x 4 B / 1" in plan.stdout  # AdamW: two fp32 moments per parameter, not sharded under DDP
+
+    with memory_cgroup(3 * GiB) as procs:
+        doctor = trainkit_in(procs, tmp_path, "doctor", str(recipe))
+        run = trainkit_in(procs, tmp_path, "run", str(recipe))
+    row = next(line for line in doctor.stdout.splitlines() if line.startswith("FAIL  memory")), doctor.stdout
+    assert doctor.returncode == 1 and "will not fit" in row[0] and "cgroup" in row[0], doctor.stdout
+    assert "strategy.name=fsdp" in doctor.stdout and "(fits)" in doctor.stdout, doctor.stdout
+    assert run.returncode == 2 and "not started" in run.stderr and "will not fit" in run.stderr, run.output
+    assert not (tmp_path / "runs" / "big" / "logs").exists()  # nothing started
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+HOG = """
+import os, sys, time
+open('/proc/self/oom_score_adj', 'w').write('-1000')  # never the OOM killer's choice: a rank is
+chunks, total = [], int(sys.argv[1])
+while total > 0:
+    chunks.append(bytearray(b'\\x01') * (16 << 20)); total -= 16 << 20
+time.sleep(600)
+"""
+
+
+def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_restarts(tmp_path):
+    """Guards item 3: a rank the kernel's OOM killer ends (SIGKILL, in a memory cgroup) is reported
+    as out of memory -- which rank, during which step, its peak and the cgroup's limit, and the
+    memory plan's advice -- and torchrun's 2 allowed restarts are not spent repeating it.
+
+    The recipe fits (the launch's memory check passes); once the ranks train, another process in
+    the same container takes the memory that was left, as a data loader or a second job would."""
+    recipe = mlp_recipe(tmp_path, "oom", trainer={"max_steps": 100000, "log_every": 1000,
+                                                   "checkpoint": {"every": 100000}},
+                        launch={"nproc_per_node": 2, "max_restarts": 2, "timeout_s": 60})
+    run_dir = tmp_path / "runs" / "oom"
+    limit = int(2.5 * GiB)
+    with memory_cgroup(limit) as procs:
+        launcher = subprocess.Popen(in_cgroup(procs, sys.executable, "-m", "trainkit.cli", "run", str(recipe)),
+                                    cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        hog = None
+        try:
+            rank_records = [run_dir / "live" / f"memory-rank{r}.json" for r in (0, 1)]
+            _wait_for(lambda: all(p.is_file() and '"step' in p.read_text() for p in rank_records), 120,
+                      "both ranks to train")
+            for record in rank_records:  # the ranks are the OOM killer's first choice, not the launcher
+                Path(f"/proc/{json.loads(record.read_text())['pid']}/oom_score_adj").write_text("1000")
+            usage_file = procs.parent / ("memory.usage_in_bytes" if procs.parent.parent.name == "memory"
+                                         else "memory.current")
+            to_take = limit - int(usage_file.read_text()) + 256 * MiB  # more than is left: someone must go
+            hog = subprocess.Popen(in_cgroup(procs, sys.executable, "-c", HOG, str(to_take)))
+            out, err = launcher.communicate(timeout=120)
+        finally:
+            for p in (launcher, hog):
+                if p is not None and p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL) if p is launcher else p.kill()
+                    p.wait()
+    report = out + err
+    assert launcher.returncode != 0, report
+    assert "out of memory: rank" in report and "killed by the kernel's OOM killer (SIGKILL)" in report, report
+    assert "during step " in report, report
+    assert "of 2.50 GiB (the memory cgroup's limit" in report, report
+    assert "memory plan: predicted" in report and "changes that lower it" in report, report
+    assert "restart 1" not in report, report  # a deterministic OOM does not burn the restarts
+    failure = next((run_dir / "launches").glob("*/failure.txt")).read_text()
+    assert "out of memory" in failure

@@ -1,0 +1,124 @@
+"""Where each rank is (build, step N, checkpoint at step N, end of run) and how much memory it has
+held, kept in RUN_DIR/live/memory-rank<R>.json for the out-of-memory report.
+
+Why a file: a rank the kernel's OOM killer ends (SIGKILL) says nothing more, so what it was doing
+and how close it was to its limit must already be on disk. The record is rewritten in place at
+each phase (one `pwrite` of a fixed-size record to a file opened once: microseconds, no fsync) and
+read by the launcher (`trainkit.launch.oom`). A rank that fails with an exception instead
+(`MemoryError` from an address-space limit, `torch.OutOfMemoryError` on a GPU) is explained here too
+(`explained`), and on CUDA leaves the allocator's recent history for https://pytorch.org/memory_viz
+(torchtitan's memory snapshot on OOM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..run_dir import CUDA_OOM_SNAPSHOT, rank_memory_path, report_path
+from . import memory_limits
+
+RECORD_BYTES = 512
+CUDA_HISTORY_ENTRIES = 100_000  # allocator events kept (torchtitan's default for its snapshots)
+
+
+class OutOfMemory(RuntimeError):
+    """A rank ran out of memory; the message says where, its peak and its limit."""
+
+
+class _Watch:
+    def __init__(self, run_dir: Path, rank: int, cuda_device=None):
+        self.run_dir, self.rank, self.cuda_device = Path(run_dir), rank, cuda_device
+        self.limit, self.limit_source = memory_limits.process_limit()
+        path = rank_memory_path(run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.current = ""
+
+    def phase(self, name: str) -> None:
+        self.current = name
+        record = {"rank": self.rank, "pid": os.getpid(), "phase": name, "peak_bytes": self.peak(),
+                  "limit_bytes": self.limit, "limit": self.limit_source, "time": time.time()}
+        data = json.dumps(record).encode()[:RECORD_BYTES]
+        try:
+            os.pwrite(self.fd, data + b" " * (RECORD_BYTES - len(data)), 0)  # JSON then spaces: one JSON value
+        except OSError:  # a full disk: the OOM report is the lesser loss
+            pass
+
+    def peak(self) -> Optional[int]:
+        """Host: VmHWM; GPU: the device's peak allocated bytes (what ran out)."""
+        if self.cuda_device is not None:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.cuda_device))
+        return memory_limits.peak_rss()
+
+
+_watch: Optional[_Watch] = None
+
+
+def start(run_dir: Path, rank: int, device) -> None:
+    """Begin this rank's record (phase `build`); on CUDA also the allocator history an OOM dumps."""
+    global _watch
+    cuda = device if getattr(device, "type", "cpu") == "cuda" else None
+    _watch = _Watch(run_dir, rank, cuda)
+    if cuda is not None:
+        import torch
+
+        torch.cuda.memory._record_memory_history(max_entries=CUDA_HISTORY_ENTRIES, stacks="python")
+        _watch.limit = torch.cuda.get_device_properties(cuda).total_memory
+        _watch.limit_source = f"{torch.cuda.get_device_name(cuda)}'s memory"
+    _watch.phase("build")
+
+
+def phase(name: str) -> None:
+    """Record that this rank now does `name` (no-op outside a worker)."""
+    if _watch is not None:
+        _watch.phase(name)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+
+        return isinstance(exc, torch.OutOfMemoryError)
+    except (ImportError, AttributeError):
+        return False
+
+
+def explained(exc: BaseException) -> OutOfMemory:
+    """The OOM as the report says it: rank, phase, peak, limit, the original error, and on CUDA the
+    snapshot written to RUN_DIR/reports/."""
+    w = _watch
+    if w is None:
+        return OutOfMemory(f"out of memory: {type(exc).__name__}: {exc}")
+    snapshot = _dump_cuda_snapshot(w)
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    text = (f"out of memory on rank {w.rank} during {w.current}: peak {_gib(w.peak())} of {_gib(w.limit)} "
+            f"({w.limit_source}); {type(exc).__name__}: {first}")
+    if snapshot is not None:
+        text += f"; GPU memory history: {snapshot} (open it at https://pytorch.org/memory_viz)"
+    return OutOfMemory(text)
+
+
+def _dump_cuda_snapshot(w: _Watch) -> Optional[Path]:
+    if w.cuda_device is None:
+        return None
+    import torch
+
+    path = report_path(w.run_dir, CUDA_OOM_SNAPSHOT.format(rank=w.rank))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+    except Exception:  # the report matters more than the snapshot
+        return None
+    return path
+
+
+def _gib(n: Optional[int]) -> str:
+    return "unknown" if n is None else f"{n / (1 << 30):.2f} GiB"
