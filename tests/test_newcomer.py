@@ -4,6 +4,7 @@ first mistakes."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -117,10 +118,43 @@ def test_ui_prints_its_url_once_the_page_answers_and_sigterm_stops_the_whole_ser
         assert not alive, [p.info if hasattr(p, "info") else p for p in alive]
         assert port_is_free(port)
     finally:
-        ui.kill()
+        try:
+            os.killpg(ui.pid, signal.SIGKILL)  # its own group (and, before the fix, the server's)
+        except ProcessLookupError:
+            pass
         for proc in server:
             try:
                 proc.kill()
             except psutil.Error:
                 pass
         ui.wait(timeout=10)
+
+
+def test_init_sizes_the_recipe_to_this_machine_and_doctor_warns_about_more_workers_than_cores(tmp_path):
+    """On a 2-core CPU machine `init` wrote num_workers 8 and pin_memory, asked for "GPUs per node",
+    and the doctor passed that recipe while torch warned about the workers."""
+    import yaml
+
+    from trainkit.doctor.registry import CHECKS
+    from trainkit.machine import usable_cores, visible_gpus
+    from trainkit.recipe import resolve
+    from trainkit.runtime.imagefolder_maker import make_imagefolder
+
+    make_imagefolder(tmp_path / "imgs", classes=2, per_class=2, size=16)
+    answers = "imgs\nsmall_cnn\n" + "\n" * 8  # the data folder, a model, then Enter: every default
+    made = subprocess.run([*TRAINKIT, "init", "mine.yaml"], input=answers, cwd=tmp_path, env=env_for(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
+    recipe = yaml.safe_load((tmp_path / "mine.yaml").read_text())
+    ranks, workers = recipe["launch"]["nproc_per_node"], recipe["data"]["num_workers"]
+    assert ranks * workers <= usable_cores()
+    if not visible_gpus():
+        assert "GPUs per node" not in made.stderr and "no GPU here" in made.stderr
+        assert ranks == 1 and "pin_memory" not in recipe["data"]
+
+    recipe["data"]["num_workers"] = usable_cores() + 1
+    (tmp_path / "busy.yaml").write_text(yaml.safe_dump(recipe))
+    (row,) = [entry.run(resolve(tmp_path / "busy.yaml")) for entry in CHECKS if entry.name == "data workers"]
+    assert row.status == "warn", row  # a row of `trainkit doctor RECIPE` (in-process: the doctor takes seconds)
+    assert f"data.num_workers {usable_cores() + 1} = " in row.detail and f"{usable_cores()} usable core(s)" in row.detail
+    assert row.fix.startswith(f"data.num_workers: {usable_cores() // ranks} (") and "busy.yaml:" in row.fix

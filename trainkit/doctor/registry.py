@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import cluster, data, devices, network, resources, versions
+from . import cluster, data, devices, network, resources, versions, workers
 from .check import Check
 
 CheckFn = Callable[[object], Optional[Check]]
@@ -36,6 +36,7 @@ CHECKS: list[Entry] = [
     Entry("socket ifname", network.socket_ifname, network.socket_ifname),
     Entry("/dev/shm", resources.shm, resources.shm),
     Entry("open files", resources.open_files, resources.open_files),
+    Entry("data workers", workers.data_workers),
     Entry("disk", resources.disk, resources.disk_quick),
     Entry("memory", resources.memory, resources.memory),  # the memory plan: milliseconds on the meta device
     Entry("data root", data.data_root),

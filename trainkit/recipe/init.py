@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..machine import data_workers_per_rank, usable_cores, visible_gpus
 from .problems import RecipeError
 
 Ask = Optional[Callable[[str, str], str]]
@@ -56,17 +57,20 @@ def _whole(text: str) -> Optional[str]:
     return None if text.isdigit() and int(text) > 0 else f"expected a positive whole number, got {text!r}"
 
 
-def _data_block(answer: str, batch: int) -> tuple[str, str]:
-    """(YAML for the data block, the comment explaining it)."""
+def _data_block(answer: str, batch: int, ranks: int, gpus_here: bool) -> tuple[str, str]:
+    """(YAML for the data block, the comment explaining it); loader workers sized to this machine's cores."""
     if answer == "synthetic":
         return (f"{{name: synthetic, batch_size: {batch}, num_samples: 4096, shape: [3, 32, 32], num_classes: 10}}",
                 "synthetic: random tensors, to check the setup before real data (batch_size is per GPU)")
     root = Path(answer).expanduser()
+    workers = data_workers_per_rank(ranks)
+    loading = f"num_workers: {workers}" + (", pin_memory: true" if gpus_here else "")
+    sized = f"num_workers {workers}: {usable_cores()} core(s) here for {ranks} rank(s) and their loader workers"
     if (root / "cifar-10-batches-py").is_dir():
-        return (f"{{name: cifar10, root: {json.dumps(answer)}, batch_size: {batch}, num_workers: 4}}",
-                "CIFAR-10 from a local folder (never downloaded); batch_size is per GPU")
-    return (f"{{name: imagefolder, root: {json.dumps(answer)}, batch_size: {batch}, num_workers: 8, pin_memory: true}}",
-            f"ImageFolder layout: {answer}/<class>/<image>; batch_size is per GPU; "
+        return (f"{{name: cifar10, root: {json.dumps(answer)}, batch_size: {batch}, {loading}}}",
+                f"CIFAR-10 from a local folder (never downloaded); batch_size is per process; {sized}")
+    return (f"{{name: imagefolder, root: {json.dumps(answer)}, batch_size: {batch}, {loading}}}",
+            f"ImageFolder layout: {answer}/<class>/<image>; batch_size is per process; {sized}; "
             "add val_root for evaluation")
 
 
@@ -92,8 +96,10 @@ def write_recipe(args, ask: Ask) -> tuple[Path, str]:
     model = _answer(args.model, ask, "Model: mlp, small_cnn, torchvision.<name> or package.module:factory",
                     "mlp" if data == "synthetic" else "torchvision.resnet50",
                     lambda v: None if v.strip() else "give a model name")
-    gpus = int(_answer(args.gpus_per_node, ask, "GPUs per node (worker processes per machine; 1 on a CPU)", "1",
-                       _whole))
+    found = visible_gpus()
+    question = (f"GPUs per node (worker processes per machine, one per GPU; {found} here)" if found else
+                "Processes per node (no GPU here: 1 trains on the CPU, its cores shared by torch's threads)")
+    gpus = int(_answer(args.gpus_per_node, ask, question, str(found or 1), _whole))
     nodes = int(_answer(args.nodes, ask, "Nodes (machines)", "1", _whole))
     endpoint = None
     if nodes > 1:
@@ -112,7 +118,7 @@ def write_recipe(args, ask: Ask) -> tuple[Path, str]:
     steps = args.max_steps or 1000
     name = args.name or "".join(c if c.isalnum() or c in "._-" else "-" for c in out.stem) or "run"
 
-    data_yaml, data_note = _data_block(data, batch)
+    data_yaml, data_note = _data_block(data, batch, gpus, gpus_here=found > 0)
     classes = _classes(data)
     args_yaml = f", args: {{num_classes: {classes}}}" if classes and model.startswith("torchvision.") else ""
     lines = [f"# Written by `trainkit init`; check it with `trainkit plan {out}`, start it with `trainkit run {out}`.",
