@@ -6,7 +6,9 @@ reference, at the same time -- by `trainkit.runtime.cell_runner` (each run: trai
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,9 +20,11 @@ from typing import Optional
 import yaml
 
 from run_helpers import env_for
-from trainkit.recipe.compatibility.grid import LM_DATA, WORLD, Cell
+from trainkit.recipe.compatibility.grid import LM_DATA, STEPS, TOLERANCE, WORLD, Cell
+from trainkit.recipe.compatibility.page import RESULTS, load_results
 
 RUNNER = "trainkit.runtime.cell_runner"
+RESUME_RTOL = 1e-6  # a resumed step redoes the same arithmetic on the same state: equal up to rounding
 
 
 @dataclass
@@ -38,7 +42,7 @@ def run_grid(folder: Path, cells: list[Cell], *, timeout: float, device_env: Opt
     references: dict[str, Path] = {}
     plan = []
     for cell in cells:
-        run_dir = _write_run(folder / "cells" / cell.id, cell.recipe())
+        run_dir = _write_run(folder / "cells" / cell.recipe()["name"], cell.recipe())
         by_ranks[nproc].append(run_dir)
         recipe, ranks = cell.reference()
         ref_dir = None
@@ -111,3 +115,48 @@ def _result(run_dir: Path) -> dict:
         log = "\n".join(p.read_text()[-3000:] for p in sorted(run_dir.parent.parent.glob("cells-*.log")))
         return {"error": f"no result (its launch ended before it)\n{log}"}
     return json.loads(path.read_text())
+
+
+def problems_of(outcome: Outcome) -> list[str]:
+    """What is wrong with one cell's run (empty: verified)."""
+    result, reference = outcome.result, outcome.reference
+    if "refused" in result:  # by `trainkit run`'s preflight on this machine: a clear refusal, not a crash
+        return []
+    if "error" in result:
+        return [result["error"]]
+    losses = {int(k): v for k, v in result["losses"].items()}
+    out = []
+    if sorted(losses) != list(range(1, STEPS + 1)) or not all(math.isfinite(v) for v in losses.values()):
+        return [f"losses {losses}"]
+    if max(losses.values()) > 3 * losses[1]:
+        out.append(f"diverges: {losses}")
+    if reference is not None:
+        if "error" in reference:
+            return [f"its reference failed: {reference['error']}"]
+        tol = TOLERANCE[outcome.cell.precision][0]
+        ref = {int(k): v for k, v in reference["losses"].items()}
+        worst = max(abs(losses[s] - ref[s]) / abs(ref[s]) for s in ref)
+        if worst > tol:
+            out.append(f"loss {losses} differs from the reference's {ref} by {worst:.2e} relative (> {tol:g})")
+    resumed = {int(k): v for k, v in result["resumed_losses"].items()}
+    if result["resumed_from"] != "step-00000002" or \
+            any(abs(resumed[s] - losses[s]) > RESUME_RTOL * abs(losses[s]) for s in losses):
+        out.append(f"resumed from {result['resumed_from']}: {resumed} instead of {losses}")
+    if not (result["export"]["finite"] and result["export"]["checkpoint"] == f"step-{STEPS:08d}"):
+        out.append(f"export: {result['export']}")
+    return out
+
+
+def record(outcomes: list[Outcome], failures: dict, *, kind: str, device: str, command: str) -> None:
+    """Write each passing cell's outcome on this `kind` of device to docs/compatibility-results.json."""
+    results = load_results()
+    stamp = {"device": device, "date": datetime.date.today().isoformat(), "command": command}
+    for cell in list(results):  # cells no longer accepted lose this kind's record
+        results[cell].pop(kind, None)
+    for o in outcomes:
+        if o.cell.id not in failures:
+            outcome = {"result": "refused", "why": o.result["refused"]} if "refused" in o.result else \
+                {"result": "verified"}
+            results.setdefault(o.cell.id, {})[kind] = {**outcome, **stamp}
+    results = {cell: kinds for cell, kinds in sorted(results.items()) if kinds}
+    RESULTS.write_text(json.dumps({"cells": results}, indent=1, sort_keys=True) + "\n")

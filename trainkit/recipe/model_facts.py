@@ -18,6 +18,9 @@ class ModelFacts:
     """Defaults: nothing known, and the model may be split into pipeline stages."""
 
     splits_into_stages = True  # an nn.Sequential of blocks that the pipeline splits at module names
+    # every parameter-owning layer has reset_parameters() (what `model.init: seeded` runs); "" if so,
+    # else why not and what to use
+    not_seedable = ""
     positions_key = "args"  # the model.args key that sets the longest sequence (for messages)
 
     def max_positions(self, args: dict) -> Optional[int]:
@@ -70,6 +73,9 @@ class HFCausalLMFacts(ModelFacts):
     """trainkit.models.hf: a transformers causal LM built from `args.config` (not an nn.Sequential)."""
 
     splits_into_stages = False
+    not_seedable = ("transformers initialises its layers with the model's own _init_weights, and its norm layers "
+                    "(e.g. LlamaRMSNorm) have no reset_parameters() for seeded init to run; use model.init: "
+                    "constructor (or auto)")
     positions_key = "config"
 
     def max_positions(self, args: dict) -> Optional[int]:

@@ -40,6 +40,13 @@ def seeded_init_has_no_weights_file(r: Recipe) -> Iterator[Finding]:
 
 
 @rule
+def seeded_init_needs_a_seedable_model(r: Recipe) -> Iterator[Finding]:
+    why = facts_for(r.model.name).not_seedable
+    if r.model.init == "seeded" and why:
+        yield ("model", "init"), f"model {r.model.name} cannot be seeded: {why}"
+
+
+@rule
 def skip_step_needs_a_loop_owned_optimizer_step(r: Recipe) -> Iterator[Finding]:
     if r.trainer.on_nonfinite == "skip_step" and r.strategy.capabilities().owns_optimizer_step:
         yield ("trainer", "on_nonfinite"), (f"skip_step discards an optimizer step before it runs, but strategy "

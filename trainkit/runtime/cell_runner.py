@@ -9,6 +9,8 @@ would: `worker.train`, the worker's composition root (build every component from
 if a checkpoint is there, run the loop), one after another. Per run directory (its `recipe.yaml`
 written by the caller) it checks:
 
+0. preflight: what `trainkit run` checks on this machine before it launches (an error there is
+   recorded as the cell's refusal on this device, and nothing trains);
 1. train: `worker.train` to the recipe's max_steps;
 2. resume: the last checkpoint removed, `worker.train` again resumes from the one before and redoes
    the last steps (the resumed losses are what metrics.jsonl holds afterwards);
@@ -26,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -38,18 +41,40 @@ def run_cells(run_dirs: list[Path], *, resume: bool) -> None:
     for run_dir in run_dirs:
         dist.barrier()
         result: dict = {"run_dir": str(run_dir)}
+        start = time.monotonic()
         try:
+            refusals = _refused_here(run_dir)
+            if refusals:
+                result["refused"] = refusals
+                raise _Refused()
             result["losses"] = _train(run_dir)
             if resume:
                 result["resumed_from"] = _drop_last_checkpoint(run_dir) if _rank() == 0 else None
                 result["resumed_losses"] = _train(run_dir)
                 result["export"] = _export(run_dir) if _rank() == 0 else None
+        except _Refused:
+            pass
         except BaseException as exc:  # noqa: BLE001 -- recorded, and the next cell runs
             result["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
             if isinstance(exc, KeyboardInterrupt):
                 raise
+        result["seconds"] = round(time.monotonic() - start, 2)
         if _rank() == 0:
             (run_dir / RESULT).write_text(json.dumps(result, indent=1))
+
+
+class _Refused(Exception):
+    """`trainkit run`'s preflight refuses the cell on this machine (e.g. fp16 under DeepSpeed's CPU
+    accelerator): recorded as refused here, not trained."""
+
+
+def _refused_here(run_dir: Path) -> list[str]:
+    """The errors `trainkit run`'s preflight would stop this recipe with on this machine (every rank
+    decides the same)."""
+    from ..recipe import resolve
+    from .preflight import check
+
+    return [f"{p.path}: {p.message}" for p in check(resolve(run_dir / "recipe.yaml")) if p.severity == "error"]
 
 
 def _rank() -> int:

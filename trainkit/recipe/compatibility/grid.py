@@ -25,12 +25,14 @@ MODELS: dict[str, dict[str, Any]] = {
                      "num_samples": 64}},
     "resnet18": {"statistics_per_rank": True,  # BatchNorm: each rank normalises over its own samples
                  "model": {"name": "torchvision.resnet18", "args": {"num_classes": 4}},
+                 "optimizer": {"lr": 0.002},  # a random-init ResNet at batch 4 blows up at 0.05
                  "data": {"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "batch_size": 4,
                           "num_samples": 64}},
     "transformer": {"model": {"name": "transformer", "args": {"vocab_size": 320, "dim": 32, "layers": 2,
                                                               "heads": 2, "seq_len": 16}},
                     "data": LM_DATA, "task": {"name": "causal_lm"}},
-    "hf-llama": {"model": {"name": "hf_causal_lm", "args": {"config": {
+    "hf-llama": {"core_init": "constructor",  # transformers' norms have no reset_parameters (not seedable)
+                 "model": {"name": "hf_causal_lm", "args": {"config": {
         "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 32}}},
                  "data": LM_DATA, "task": {"name": "causal_lm"}},
@@ -103,7 +105,7 @@ class Cell:
     def recipe(self) -> dict[str, Any]:
         """The whole recipe this cell is: the base, then each axis's fragment merged in."""
         out = merge(BASE, {"name": self.id.replace("+", "-")})
-        model = {k: v for k, v in MODELS[self.model].items() if k != "statistics_per_rank"}
+        model = {k: v for k, v in MODELS[self.model].items() if k not in ("statistics_per_rank", "core_init")}
         for fragment in (model, {"strategy": strategy_block(self.strategy, self.model)},
                          PRECISIONS[self.precision], OPTIONS[self.option], INITS[self.init]):
             out = merge(out, fragment)
@@ -147,8 +149,10 @@ def merge(base: dict, top: dict) -> dict:
 
 
 def core_cells() -> list[Cell]:
-    """Every strategy x model family x precision (no performance option, seeded init)."""
-    return [Cell(s, m, p) for s in STRATEGIES for m in MODELS for p in PRECISIONS]
+    """Every strategy x model family x precision (no performance option; seeded init where the family
+    can be seeded)."""
+    return [Cell(s, m, p, init=MODELS[m].get("core_init", "seeded")) for s in STRATEGIES for m in MODELS
+            for p in PRECISIONS]
 
 
 def pairwise_cells() -> list[Cell]:

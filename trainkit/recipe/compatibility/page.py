@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .grid import MODELS, OPTIONS, PRECISIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, Cell, core_cells, \
+from .grid import MODELS, OPTIONS, PRECISIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
     pairwise_cells
 from .status import Status, statuses
 
@@ -28,8 +28,13 @@ def markdown(results: dict[str, Any]) -> str:
     for status in core + pairs:
         for message in status.refusals:
             refusals.setdefault(message, len(refusals) + 1)
+    for status in core + pairs:  # then what `trainkit run`'s preflight refused on a device
+        for record in results.get(status.cell.id, {}).values():
+            for message in record.get("why", []):
+                refusals.setdefault(message, len(refusals) + 1)
     lines = [*_intro(results), "", "## Core grid: strategy x model family x precision", "",
-             f"No performance option, `model.init: seeded`, {WORLD} ranks, {STEPS} steps.", ""]
+             f"No performance option, `model.init: seeded` (constructor for hf-llama: not seedable), {WORLD} "
+             f"ranks, {STEPS} steps.", ""]
     for model in MODELS:
         lines += _core_table(model, [s for s in core if s.cell.model == model], results, refusals)
     lines += ["## Pairs: strategy x performance option x precision x model family x init", "",
@@ -39,7 +44,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [f"| {s.cell.strategy} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | {s.cell.init} | "
               f"{_verdict(s, results, refusals)} |" for s in pairs]
     lines += ["", "## Refused, and what to use instead", "",
-              "Each refusal is `trainkit validate`'s own message, from the rule the strategy or option owns.", ""]
+              "Each refusal is `trainkit validate`'s own message, from the rule the strategy, option or model "
+              "owns, or (device refusals) the message `trainkit run`'s preflight stops with.", ""]
     lines += [f"{n}. {message}" for message, n in refusals.items()]
     return "\n".join(lines) + "\n"
 
@@ -66,14 +72,16 @@ def _intro(results: dict[str, Any]) -> list[str]:
             "Verification runs recorded here:", "",
             *[f"- {kind}: {device}, {date}: `{command}`" for kind, device, date, command in runs], "",
             "Legend: **CPU** verified on CPU (gloo), **GPU** verified on CUDA (nccl), **refused (n)** "
-            "refused by `trainkit validate` with message n below, **not verified** accepted but not run."]
+            "refused by `trainkit validate` with message n below, **CPU: refused (n)** accepted by validate "
+            "but refused by `trainkit run`'s preflight on that device (before anything starts), **not "
+            "verified** accepted but not run there."]
 
 
 def _core_table(model: str, rows: list[Status], results: dict[str, Any], refusals: dict[str, int]) -> list[str]:
     head = ["", f"### {model}", "", "| strategy | " + " | ".join(PRECISIONS) + " |",
             "|---|" + "---|" * len(PRECISIONS)]
-    by_cell = {s.cell: s for s in rows}
-    body = [f"| {strategy} | " + " | ".join(_verdict(by_cell[Cell(strategy, model, p)], results, refusals)
+    by_cell = {(s.cell.strategy, s.cell.precision): s for s in rows}
+    body = [f"| {strategy} | " + " | ".join(_verdict(by_cell[strategy, p], results, refusals)
                                             for p in PRECISIONS) + " |" for strategy in STRATEGIES]
     return head + body + [""]
 
@@ -82,7 +90,13 @@ def _verdict(status: Status, results: dict[str, Any], refusals: dict[str, int]) 
     if status.refused:
         return "refused (" + ", ".join(str(refusals[m]) for m in status.refusals) + ")"
     recorded = results.get(status.cell.id, {})
-    kinds = [kind.upper() for kind in ("cpu", "gpu") if recorded.get(kind, {}).get("result") == "verified"]
+    kinds = []
+    for kind in ("cpu", "gpu"):
+        record = recorded.get(kind, {})
+        if record.get("result") == "verified":
+            kinds.append(kind.upper())
+        elif record.get("result") == "refused":
+            kinds.append(f"{kind.upper()}: refused (" + ", ".join(str(refusals[m]) for m in record["why"]) + ")")
     return " + ".join(kinds) or "not verified"
 
 

@@ -1,0 +1,102 @@
+"""The compatibility matrix (issue 26): every declared cell is refused by `trainkit validate` or
+trains correctly.
+
+Every cell `validate` accepts -- the whole core grid (strategy x model family x precision), the
+all-pairs set over (strategy, option, precision, model family, init) and the combinations that once
+crashed -- trains in one of two launches (tests/grid_runs.py): 3 steps on 2 ranks, its loss at every
+step within its precision's tolerance of the reference run (grid.TOLERANCE says why), the run
+resumed from its step-2 checkpoint redoing step 3 with the same loss, and its final checkpoint
+consolidated by `trainkit export`'s function loading strict into the plain model.
+
+With TRAINKIT_GRID_RECORD=1 the verified cells are written to docs/compatibility-results.json (then
+regenerate docs/compatibility.md: `python -m trainkit.recipe.compatibility --markdown`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grid_runs import Outcome, problems_of, record, run_grid
+from run_helpers import trainkit
+from trainkit.recipe.compatibility import declared_cells, statuses
+from trainkit.recipe.compatibility.page import COMMAND, RESULTS, load_results, markdown
+from trainkit.recipe.compatibility.pairwise import all_pairs
+from strategy_runs import deepspeed_env
+
+GRID_TIMEOUT_S = 1500
+
+
+def accepted_cells():
+    return [s.cell for s in statuses(declared_cells()) if not s.refused]
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory) -> list[Outcome]:
+    folder = tmp_path_factory.mktemp("grid")
+    return run_grid(folder, accepted_cells(), timeout=GRID_TIMEOUT_S,
+                    device_env=deepspeed_env(request, tmp_path_factory))
+
+
+@pytest.mark.distributed
+def test_every_cell_validate_accepts_trains_follows_its_reference_resumes_and_exports(outcomes):
+    failures = {o.cell.id: problems_of(o) for o in outcomes}
+    failures = {cell: why for cell, why in failures.items() if why}
+    if os.environ.get("TRAINKIT_GRID_RECORD"):
+        record(outcomes, failures, kind="cpu", device=f"CPU ({platform.machine()}), gloo, 2 processes",
+               command="TRAINKIT_GRID_RECORD=1 pytest tests/test_compatibility.py")
+    assert not failures, json.dumps(failures, indent=1)[-20000:]
+    assert len(outcomes) >= 150
+
+
+@pytest.mark.distributed
+def test_the_committed_results_are_this_grids(outcomes):
+    """docs/compatibility-results.json records what happens here: each cell validate accepts as
+    verified on CPU, or as refused by `trainkit run`'s preflight on this machine; a new cell, or one
+    whose outcome changed, fails until the results are recorded again."""
+    recorded = {cell: kinds["cpu"]["result"] for cell, kinds in load_results().items() if "cpu" in kinds}
+    assert recorded == {o.cell.id: "refused" if "refused" in o.result else "verified" for o in outcomes}
+
+
+def test_the_committed_page_is_the_generators_output():
+    page = RESULTS.parent / "compatibility.md"
+    assert page.read_text() == markdown(load_results()), f"regenerate it: {COMMAND}"
+
+
+def test_validate_refuses_a_refused_cell_naming_the_combination_and_what_to_use(tmp_path):
+    """A refused cell, through the real `trainkit validate`: exit 2, the message of the rule that owns
+    it (the pipeline's declared precisions), no traceback."""
+    refused = [s for s in statuses(declared_cells()) if s.refused]
+    assert refused and all(any(word in m for word in ("use ", "set ")) for s in refused for m in s.refusals)
+    cell = next(s.cell for s in refused if s.cell.strategy == "pipeline" and s.cell.precision == "fp16-fixed")
+    path = tmp_path / "cell.yaml"
+    path.write_text(yaml.safe_dump(cell.recipe()))
+    result = trainkit(tmp_path, "validate", str(path), timeout=60)
+    assert result.returncode == 2, result.output
+    assert "strategy pipeline does not train in fp16; use one of bf16, fp32" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_all_pairs_covers_every_pair_deterministically():
+    axes = {"a": list("xyz"), "b": list("pq"), "c": list("uvw"), "d": ["k"]}
+    rows = all_pairs(axes)
+    assert rows == all_pairs(axes) and len(rows) == 9
+    for a in axes:
+        for b in axes:
+            if a < b:
+                assert {(r[a], r[b]) for r in rows} == {(x, y) for x in axes[a] for y in axes[b]}
+
+
+def test_the_page_generator_is_a_command_without_torch():
+    code = ("import sys, runpy; sys.argv = ['x', '--markdown']\n"
+            "try: runpy.run_module('trainkit.recipe.compatibility', run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("# Compatibility"), out.stderr
