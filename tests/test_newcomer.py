@@ -158,3 +158,19 @@ def test_init_sizes_the_recipe_to_this_machine_and_doctor_warns_about_more_worke
     assert row.status == "warn", row  # a row of `trainkit doctor RECIPE` (in-process: the doctor takes seconds)
     assert f"data.num_workers {usable_cores() + 1} = " in row.detail and f"{usable_cores()} usable core(s)" in row.detail
     assert row.fix.startswith(f"data.num_workers: {usable_cores() // ranks} (") and "busy.yaml:" in row.fix
+
+
+def test_every_command_answers_an_override_written_apart_or_as_an_option_with_its_spelling(capsys):
+    """`validate base.yaml trainer.max_steps 50` said trainer.max_steps was a missing file, `run` said
+    "overrides are written key.path=value", and `--trainer.max_steps=50` was a bare argparse error."""
+    from trainkit.cli import main
+
+    recipe = str(REPO / "recipes" / "demo-cpu.yaml")
+    for command in ("validate", "plan", "run", "doctor"):
+        for written in (["trainer.max_steps", "50"], ["--trainer.max_steps=50"], ["--trainer.max_steps", "50"]):
+            assert main([command, recipe, *written]) == 2
+            err = capsys.readouterr().err
+            assert f"trainkit {command}: overrides are written key.path=value" in err, err
+            assert f"{' '.join(written)} -> trainer.max_steps=50" in err, err
+            assert "no such file" not in err and "unrecognized arguments" not in err
+    assert main(["validate", recipe, "trainer.max_steps=50"]) == 0  # the grammar itself is unchanged

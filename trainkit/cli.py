@@ -881,7 +881,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return _quiet_on_broken_pipe(lambda: complete_from_env(build_parser()))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    recipe_args = [*getattr(args, "paths", []), *getattr(args, "overrides", [])]
+    if hasattr(args, "paths") or hasattr(args, "overrides"):  # one grammar for every command that takes a recipe
+        from .recipe.arguments import grammar_error
+
+        mistake = grammar_error(recipe_args, unknown)
+        if mistake:
+            print(f"trainkit {args.command}: {mistake}", file=sys.stderr)
+            return EXIT_INVALID
+    if unknown:
+        parser.parse_args(argv)  # argparse's own message for anything else
     if args.version:
         from . import __version__
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 from pydantic import BaseModel, ValidationError
 
 from .. import registry
+from .arguments import OVERRIDE_FORMS as _OVERRIDE_FORMS
 from .problems import COMMAND_LINE, Location, Problem, RecipeError, did_you_mean, short
 from .schema import PLUGIN_FIELDS, Recipe, recipe_model
 from .yaml_source import KEY, Path_, dotted, load_yaml
@@ -179,8 +180,6 @@ def _compose(path: Path, chain: list[Path], problems: list[Problem], root: Path)
 
 
 _OVERRIDE_KEY = re.compile(r"[A-Za-z_][\w\-]*(\.[\w\-]+)*")
-_OVERRIDE_FORMS = "overrides are written key.path=value, +key.path=value (a new key under a free-form mapping) " \
-    "or ~key.path (delete), e.g. trainer.max_steps=20"
 
 
 @dataclass(frozen=True)
