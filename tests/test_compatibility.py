@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -39,9 +42,17 @@ def accepted_cells():
 
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory) -> list[Outcome]:
-    folder = tmp_path_factory.mktemp("grid")
-    return run_grid(folder, accepted_cells(), timeout=GRID_TIMEOUT_S,
-                    device_env=deepspeed_env(request, tmp_path_factory))
+    """The grid's runs, in memory where the machine has a tmpfs (each ResNet checkpoint is ~45 MB,
+    written 3 times per cell and fsynced; the runner removes each cell's after its checks)."""
+    shm = Path("/dev/shm")
+    folder = Path(tempfile.mkdtemp(prefix="trainkit-grid-", dir=shm)) if shm.is_dir() else \
+        tmp_path_factory.mktemp("grid")
+    try:
+        yield run_grid(folder, accepted_cells(), timeout=GRID_TIMEOUT_S,
+                       device_env=deepspeed_env(request, tmp_path_factory))
+    finally:
+        if folder.parent == shm:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.distributed

@@ -17,7 +17,8 @@ written by the caller) it checks:
 3. export (rank 0): the final checkpoint consolidated by `trainkit export`'s own function loads,
    strict, into the plain model the recipe names.
 
-Rank 0 writes RUN_DIR/cell-result.json (losses of each pass, export outcome, or the error). A
+Rank 0 writes RUN_DIR/cell-result.json (losses of each pass, export outcome, or the error), then
+removes the run's checkpoints unless the list says `keep_checkpoints`. A
 failing cell is recorded and the next one runs: the other ranks leave the failed collective at the
 recipe's launch.timeout_s at worst, and every rank meets again at the next cell's rendezvous.
 """
@@ -35,7 +36,7 @@ from pathlib import Path
 RESULT = "cell-result.json"
 
 
-def run_cells(run_dirs: list[Path], *, resume: bool) -> None:
+def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = False) -> None:
     import torch.distributed as dist
 
     for run_dir in run_dirs:
@@ -61,6 +62,8 @@ def run_cells(run_dirs: list[Path], *, resume: bool) -> None:
         result["seconds"] = round(time.monotonic() - start, 2)
         if _rank() == 0:
             (run_dir / RESULT).write_text(json.dumps(result, indent=1))
+            if not keep_checkpoints:  # a grid of ResNets writes gigabytes of them otherwise
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 class _Refused(Exception):
@@ -149,7 +152,8 @@ def main(argv: list[str]) -> int:
         torch.cuda.set_device(_device())
     init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=120))
     try:
-        run_cells([Path(p) for p in spec["run_dirs"]], resume=spec.get("resume", True))
+        run_cells([Path(p) for p in spec["run_dirs"]], resume=spec.get("resume", True),
+                  keep_checkpoints=spec.get("keep_checkpoints", False))
         dist.barrier()
     finally:
         dist.destroy_process_group()

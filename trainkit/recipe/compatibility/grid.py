@@ -26,7 +26,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "resnet18": {"statistics_per_rank": True,  # BatchNorm: each rank normalises over its own samples
                  "model": {"name": "torchvision.resnet18", "args": {"num_classes": 4}},
                  "optimizer": {"lr": 0.002},  # a random-init ResNet at batch 4 blows up at 0.05
-                 "data": {"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "batch_size": 4,
+                 "data": {"name": "synthetic", "shape": [3, 8, 8], "num_classes": 4, "batch_size": 4,
                           "num_samples": 64}},
     "transformer": {"model": {"name": "transformer", "args": {"vocab_size": 320, "dim": 32, "layers": 2,
                                                               "heads": 2, "seq_len": 16}},
