@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .grid import MODELS, OPTIONS, PRECISIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
+from .grid import MODELS, OPTIONS, PRECISIONS, REGRESSIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
     pairwise_cells
 from .status import Status, statuses
 
@@ -23,12 +23,12 @@ def load_results(path: Path = RESULTS) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    core, pairs = statuses(core_cells()), statuses(pairwise_cells())
+    core, pairs, regressions = statuses(core_cells()), statuses(pairwise_cells()), statuses(REGRESSIONS)
     refusals: dict[str, int] = {}
-    for status in core + pairs:
+    for status in core + pairs + regressions:
         for message in status.refusals:
             refusals.setdefault(message, len(refusals) + 1)
-    for status in core + pairs:  # then what `trainkit run`'s preflight refused on a device
+    for status in core + pairs + regressions:  # then what `trainkit run`'s preflight refused on a device
         for record in results.get(status.cell.id, {}).values():
             for message in record.get("why", []):
                 refusals.setdefault(message, len(refusals) + 1)
@@ -41,8 +41,10 @@ def markdown(results: dict[str, Any]) -> str:
               "Every pair of values of any two of these axes appears in at least one row (a deterministic "
               "all-pairs set, `trainkit/recipe/compatibility/pairwise.py`).", "",
               "| strategy | option | precision | model | init | status |", "|---|---|---|---|---|---|"]
-    lines += [f"| {s.cell.strategy} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | {s.cell.init} | "
-              f"{_verdict(s, results, refusals)} |" for s in pairs]
+    lines += _rows(pairs, results, refusals)
+    lines += ["", "## Combinations that crashed before (issue 26)", "",
+              "| strategy | option | precision | model | init | status |", "|---|---|---|---|---|---|"]
+    lines += _rows(regressions, results, refusals)
     lines += ["", "## Refused, and what to use instead", "",
               "Each refusal is `trainkit validate`'s own message, from the rule the strategy, option or model "
               "owns, or (device refusals) the message `trainkit run`'s preflight stops with.", ""]
@@ -75,6 +77,11 @@ def _intro(results: dict[str, Any]) -> list[str]:
             "refused by `trainkit validate` with message n below, **CPU: refused (n)** accepted by validate "
             "but refused by `trainkit run`'s preflight on that device (before anything starts), **not "
             "verified** accepted but not run there."]
+
+
+def _rows(rows: list[Status], results: dict[str, Any], refusals: dict[str, int]) -> list[str]:
+    return [f"| {s.cell.strategy} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | {s.cell.init} | "
+            f"{_verdict(s, results, refusals)} |" for s in rows]
 
 
 def _core_table(model: str, rows: list[Status], results: dict[str, Any], refusals: dict[str, int]) -> list[str]:
