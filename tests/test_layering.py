@@ -22,7 +22,7 @@ LAYERS = [  # (module prefix, layer); the longest matching prefix wins
     ("trainkit.recipe", 2), ("trainkit.cluster", 2),
     ("trainkit.runtime", 3), ("trainkit.analysis", 3),
     ("trainkit.strategies", 4), ("trainkit.monitors", 4), ("trainkit.tracking", 4), ("trainkit.tasks", 4),
-    ("trainkit.runtime.worker", 5), ("trainkit.doctor", 5),
+    ("trainkit.runtime.worker", 5), ("trainkit.runtime.cell_runner", 5), ("trainkit.doctor", 5),
     ("trainkit.launch", 6),
     ("trainkit.cli", 7), ("trainkit.scaffold", 7),  # scaffold writes plugin sources naming every layer
 ]
