@@ -58,27 +58,27 @@ def trainkit_in(procs: Path, tmp: Path, *args: str, timeout: float = 120) -> Res
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-def test_plan_shows_memory_and_a_run_that_cannot_fit_is_refused_naming_what_fits(tmp_path):
+def test_plan_shows_memory_and_a_run_that_cannot_fit_is_refused_naming_what_fits(tmp_path, capsys):
     """Guards item 2: `trainkit plan` prints each rank's predicted memory part by part; in a 3 GiB
-    container the same recipe (DDP, 2 ranks) does not fit, and `doctor` and `run` say so before any
-    worker starts, reading the cgroup's limit (the host has far more), with the changes that fit and
-    their figures."""
+    container the same recipe (DDP, 2 ranks) does not fit, and `run` says so before any worker
+    starts, reading the cgroup's limit (the host has far more), with the changes that fit and their
+    figures."""
+    from trainkit.cli import main
+
     recipe = mlp_recipe(tmp_path, "big", model=BIG_MLP, optimizer={"name": "adamw", "lr": 1e-3},
                         data={"shape": [4096]}, trainer={"max_steps": 2})
-    plan = trainkit(tmp_path, "plan", str(recipe))
-    assert plan.returncode == 0, plan.output
+    assert main(["plan", str(recipe)]) == 0
+    plan = capsys.readouterr().out
     for part in ("memory per rank:", "parameters:", "gradients:", "optimizer state:", "gradient buckets:",
                  "activations:", "runtime:", "available:"):
-        assert part in plan.stdout, plan.stdout
-    assert "x 2 x 4 B / 1" in plan.stdout  # AdamW: two fp32 moments per parameter, not sharded under DDP
+        assert part in plan, plan
+    assert "x 2 x 4 B / 1" in plan  # AdamW: two fp32 moments per parameter, not sharded under DDP
 
     with memory_cgroup(3 * GiB) as procs:
-        doctor = trainkit_in(procs, tmp_path, "doctor", str(recipe))
         run = trainkit_in(procs, tmp_path, "run", str(recipe))
-    row = next(line for line in doctor.stdout.splitlines() if line.startswith("FAIL  memory")), doctor.stdout
-    assert doctor.returncode == 1 and "will not fit" in row[0] and "cgroup" in row[0], doctor.stdout
-    assert "strategy.name=fsdp" in doctor.stdout and "(fits)" in doctor.stdout, doctor.stdout
-    assert run.returncode == 2 and "not started" in run.stderr and "will not fit" in run.stderr, run.output
+    row = next((line for line in run.stderr.splitlines() if "memory" in line and "will not fit" in line), "")
+    assert run.returncode == 2 and "not started" in run.stderr and "cgroup" in row, run.output
+    assert "strategy.name=fsdp" in run.stderr and "(fits)" in run.stderr, run.stderr
     assert not (tmp_path / "runs" / "big" / "logs").exists()  # nothing started
 
 
@@ -102,7 +102,7 @@ time.sleep(600)
 """
 
 
-def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_restarts(tmp_path):
+def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_restarts(tmp_path, capsys):
     """Guards item 3: a rank the kernel's OOM killer ends (SIGKILL, in a memory cgroup) is reported
     as out of memory -- which rank, during which step, its peak and the cgroup's limit, and the
     memory plan's advice -- and torchrun's 2 allowed restarts are not spent repeating it.
@@ -129,7 +129,10 @@ def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_re
                                          else "memory.current")
             to_take = limit - int(usage_file.read_text()) + 256 * MiB  # more than is left: someone must go
             hog = subprocess.Popen(in_cgroup(procs, sys.executable, "-c", HOG, str(to_take)))
-            out, err = launcher.communicate(timeout=120)
+            try:
+                out, err = launcher.communicate(timeout=60)
+            except subprocess.TimeoutExpired as exc:
+                raise AssertionError(f"{exc.output}\n{exc.stderr}") from None
         finally:
             for p in (launcher, hog):
                 if p is not None and p.poll() is None:
@@ -144,3 +147,7 @@ def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_re
     assert "restart 1" not in report, report  # a deterministic OOM does not burn the restarts
     failure = next((run_dir / "launches").glob("*/failure.txt")).read_text()
     assert "out of memory" in failure
+    from trainkit.cli import main
+
+    assert main(["report", str(run_dir)]) == 1  # a failed run: no bottleneck report, but why it failed
+    assert "Out of memory" in capsys.readouterr().out

@@ -419,9 +419,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             found = _deep_problems(resolved) if args.deep else []
         except RecipeError as err:
             found = err.problems
-        if len(files) > 1:  # an override's problem is one per recipe: say which
-            found = [Problem(Location(file, override=p.location.override), p.path, p.message, p.severity)
-                     if p.location.override is not None else p for p in found]
+        if len(files) > 1:  # an override's or a shared fragment's problem is one per recipe: say which
+            found = [_naming_recipe(p, file) for p in found]
         if any(p.severity == "error" for p in found):
             invalid += 1
         problems.extend(found)
@@ -437,6 +436,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     else:
         print(format_problems(problems, args.format))
     return EXIT_INVALID if invalid else EXIT_OK
+
+
+def _naming_recipe(problem, recipe: str):
+    """`problem` of `recipe`, saying so where its location does not (an override, a `defaults:` file)."""
+    from .recipe.problems import COMMAND_LINE, Location, Problem
+
+    where = problem.location
+    if where.override is not None:
+        return Problem(Location(recipe, override=where.override), problem.path, problem.message, problem.severity)
+    if where.file != COMMAND_LINE and Path(where.file).resolve() != Path(recipe).resolve():
+        return Problem(where, problem.path, f"{problem.message} (recipe {recipe})", problem.severity)
+    return problem
 
 
 def _deep_problems(resolved) -> list:
@@ -786,6 +797,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     evidence_path = report_path(run_dir, BREAKDOWN)
+    from .launch.oom import report_lines
+
+    out_of_memory = report_lines(run_dir)  # a run that ran out of memory: why, and its GPU memory history
+    if out_of_memory:
+        print("\n".join(out_of_memory))
+        if not evidence_path.is_file():
+            return EXIT_FAILED
     if not evidence_path.is_file():
         print(f"trainkit: {evidence_path} not found: is {run_dir} a finished trainkit run directory?", file=sys.stderr)
         return EXIT_INVALID

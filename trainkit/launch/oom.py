@@ -16,10 +16,11 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from ..run_dir import LIVE, RANK_MEMORY
+from ..run_dir import LIVE, LOGS, RANK_ERROR, RANK_MEMORY, write_fatal
 from ..runtime.memory_limits import oom_kills
+from ..runtime.memory_watch import OutOfMemory
 
-OUT_OF_MEMORY = "OutOfMemory"  # the fatal record's `error` for an out-of-memory failure
+OUT_OF_MEMORY = OutOfMemory.__name__  # the fatal record's `error` for an out-of-memory failure
 
 
 def kills_now() -> Optional[int]:
@@ -37,22 +38,38 @@ def _records(run_dir: Path) -> list[dict]:
     return out
 
 
-def killed(run_dir: Path, kills_before: Optional[int], exitcode: Optional[int], pid: Optional[int]) -> Optional[dict]:
-    """The fatal record for a rank the OOM killer ended (None when this failure was not one)."""
-    if exitcode != -signal.SIGKILL or kills_before is None:
-        return None
+def killed(run_dir: Path, kills_before: Optional[int], pid: Optional[int] = None) -> Optional[dict]:
+    """The fatal record for a rank the OOM killer ended during this launch, None when none was.
+
+    The count of OOM kills must have risen since the launch began, and a rank must have died without
+    a word: SIGKILL leaves no error.json. The first failure torchrun sees is often not that rank but
+    a peer whose collective broke when it died, so the silent rank is found from the ranks' own
+    records (`pid`, when the caller knows the SIGKILLed process, picks it directly)."""
     after = oom_kills()
-    if after is None or after <= kills_before:
+    if kills_before is None or after is None or after <= kills_before:
         return None
-    record = next((r for r in _records(run_dir) if r.get("pid") == pid), None)
+    records = _records(run_dir)
+    record = next((r for r in records if pid is not None and r.get("pid") == pid), None) or \
+        next((r for r in records if not _reported(run_dir, r)), None)
     if record is None:
-        who, where = f"a rank (pid {pid})", ""
-    else:
-        who = f"rank {record['rank']} (pid {pid})"
-        where = (f" during {record['phase']}; its peak so far {_gib(record.get('peak_bytes'))} of "
-                 f"{_gib(record.get('limit_bytes'))} ({record.get('limit')})")
-    return {"error": OUT_OF_MEMORY,
-            "message": f"out of memory: {who} was killed by the kernel's OOM killer (SIGKILL){where}"}
+        return None
+    where = (f" during {record['phase']}; its peak so far {_gib(record.get('peak_bytes'))} of "
+             f"{_gib(record.get('limit_bytes'))} ({record.get('limit')})")
+    message = f"out of memory: rank {record['rank']} (pid {record.get('pid')}) was killed by the kernel's OOM " \
+              f"killer (SIGKILL){where}"
+    try:  # for `trainkit report`, and for ranks a restart would start (none: the agent is stopped)
+        write_fatal(run_dir, OutOfMemory(message))
+    except OSError:
+        pass
+    return {"error": OUT_OF_MEMORY, "message": message}
+
+
+def _reported(run_dir: Path, record: dict) -> bool:
+    """Did this rank leave an error.json (an exception it could report) in the newest attempt?"""
+    from .failures import _rank_folder
+
+    folder = _rank_folder(Path(run_dir) / LOGS, record.get("local_rank", record.get("rank", 0)))
+    return folder is not None and (folder / RANK_ERROR).is_file()
 
 
 def advice(recipe) -> str:
@@ -83,13 +100,13 @@ def _gib(n) -> str:
 
 def marker_or_kill(run_dir: Path, kills_before: Optional[int], failed: Optional[tuple]) -> Optional[dict]:
     """What stops torchrun's restarts: the ranks' fatal marker, or a rank the OOM killer ended
-    (`failed`: the agent's (exitcode, local rank, pid) of the first failure)."""
+    (`failed`: the agent's (exitcode, local rank, pid) of the first failure it saw)."""
     from ..run_dir import read_fatal
 
     fatal = read_fatal(run_dir)
-    if fatal is not None or not failed:
+    if fatal is not None:
         return fatal
-    return killed(run_dir, kills_before, failed[0], failed[2])
+    return killed(run_dir, kills_before, failed[2] if failed and failed[0] == -signal.SIGKILL else None)
 
 
 def explain(report: str, err, run_dir: Path, kills_before: Optional[int], recipe) -> str:
@@ -99,8 +116,25 @@ def explain(report: str, err, run_dir: Path, kills_before: Optional[int], recipe
 
     found = read_fatal(run_dir)
     if not is_out_of_memory(found):
-        found = next((k for f in err.failures.values()
-                      if (k := killed(run_dir, kills_before, f.exitcode, f.pid)) is not None), None)
+        victim = next((f.pid for f in err.failures.values() if f.exitcode == -signal.SIGKILL), None)
+        found = killed(run_dir, kills_before, victim)
     if found is None:
         return report
     return f"trainkit: training failed: {found['message']}\n{advice(recipe)}\n{report}"
+
+
+def report_lines(run_dir: Path) -> list[str]:
+    """What `trainkit report` says about a run that ran out of memory: the explanation, and the GPU
+    memory histories its ranks dumped (open them at https://pytorch.org/memory_viz)."""
+    from ..run_dir import CUDA_OOM_SNAPSHOT, read_fatal, report_path
+
+    fatal = read_fatal(run_dir)
+    if not is_out_of_memory(fatal):
+        return []
+    lines = [f"## Out of memory\n\n{fatal['message']}\n"]
+    snapshots = sorted(report_path(run_dir, "").glob(CUDA_OOM_SNAPSHOT.format(rank="*")))
+    for path in snapshots:
+        lines.append(f"- GPU memory history (allocator snapshot at the OOM): {path} -- drag it into "
+                     f"https://pytorch.org/memory_viz")
+    lines.append("\n`trainkit plan RECIPE` shows the memory plan and what would fit (docs/memory.md).\n")
+    return lines

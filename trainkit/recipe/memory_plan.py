@@ -240,8 +240,11 @@ def sharding_strategies(world_size: int, device_type: str) -> dict[str, tuple[di
 
 
 def fitting_changes(sizes: ModelSizes, s: Setting, available: int) -> list[MemoryAdvice]:
-    """The changes that would bring one rank under `available` bytes, each with its figure."""
-    return alternatives(sizes, s, available, sharding_strategies(s.world_size, s.device_type))
+    """The changes that would bring one rank under `available` bytes, each with its figure (only
+    those that lower the plan)."""
+    now = plan(sizes, s).per_rank
+    return [a for a in alternatives(sizes, s, available, sharding_strategies(s.world_size, s.device_type))
+            if a.plan.per_rank < now]
 
 
 def _merge(current: Setting, option: Setting, base: Setting) -> Setting:

@@ -40,7 +40,8 @@ class _Watch:
 
     def phase(self, name: str) -> None:
         self.current = name
-        record = {"rank": self.rank, "pid": os.getpid(), "phase": name, "peak_bytes": self.peak(),
+        record = {"rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
+                  "phase": name, "peak_bytes": self.peak(),
                   "limit_bytes": self.limit, "limit": self.limit_source, "time": time.time()}
         data = json.dumps(record).encode()[:RECORD_BYTES]
         try:
