@@ -174,3 +174,33 @@ def test_every_command_answers_an_override_written_apart_or_as_an_option_with_it
             assert f"{' '.join(written)} -> trainer.max_steps=50" in err, err
             assert "no such file" not in err and "unrecognized arguments" not in err
     assert main(["validate", recipe, "trainer.max_steps=50"]) == 0  # the grammar itself is unchanged
+
+
+def test_read_paths_resolve_from_the_working_directory_errors_show_where_and_name_the_recipe(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """A recipe's relative data and weights paths resolve from the working directory (defaults: from
+    the file naming them): an error shows the absolute path it looked at, and `validate` of several
+    recipes names the recipe each problem of a shared fragment belongs to."""
+    import yaml
+
+    from trainkit.cli import main
+
+    (tmp_path / "recipes" / "base").mkdir(parents=True)
+    base = {"model": {"name": "mlp", "args": {"in_features": 8, "num_classes": 2}},
+            "data": {"name": "imagefolder", "root": "imgs", "batch_size": 4, "image_size": 8},
+            "optimizer": {"name": "sgd", "lr": 0.1}, "trainer": {"max_steps": 2}, "launch": {"nproc_per_node": 1},
+            "tracking": {"enabled": False}, "precision": "fp32", "strategy": {"name": "ddp"}}
+    (tmp_path / "recipes" / "base" / "common.yaml").write_text(yaml.safe_dump(base))
+    for name in ("a", "b"):
+        (tmp_path / "recipes" / f"{name}.yaml").write_text(
+            f"defaults: [base/common.yaml]\nname: {name}\nmodel: {{weights: weights/{name}.pt}}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "--deep", "recipes/"]) == 2
+    err = capsys.readouterr().err
+    for name in ("a", "b"):
+        assert (f"weights file not found: weights/{name}.pt (from the working directory: "
+                f"{tmp_path / 'weights' / f'{name}.pt'})") in err, err
+        assert f"recipes/{name}.yaml:" in err
+    assert f"data folder not found: imgs (from the working directory: {tmp_path / 'imgs'})" in err
+    shared = [line for line in err.splitlines() if line.startswith("recipes/base/common.yaml")]
+    assert shared and all(re.search(r"\(recipe recipes/[ab]\.yaml\)$", line) for line in shared), err

@@ -11,7 +11,7 @@ builds those from ranks and steps; `trainkit export` takes its target on the com
 from __future__ import annotations
 
 import os
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, Iterator, Optional
 
 PATH_COMPONENT_FIELDS: tuple[tuple[str, ...], ...] = (
@@ -34,6 +34,14 @@ def problem(value: str) -> Optional[str]:
         return (f"it names a folder, so it must be at most {MAX_COMPONENT_BYTES} bytes (got {len(value.encode())}; "
                 f"file systems allow 255 per name and trainkit adds suffixes)")
     return None
+
+
+def read_path_shown(value: str) -> str:
+    """A path a recipe reads, as a message shows it. Relative paths (data roots, model.weights) resolve
+    from the working directory, like the run directory, unlike `defaults:` (from the file naming them):
+    so the message says which folder that was (docs/recipes.md, "Paths")."""
+    path = Path(value).expanduser()
+    return value if path.is_absolute() else f"{value} (from the working directory: {path.absolute()})"
 
 
 MAX_COMPONENT_BYTES = 200

@@ -12,6 +12,7 @@ from typing import Iterator
 
 from .. import registry
 from ..recipe.model_facts import facts_for
+from ..recipe.paths import read_path_shown
 from ..recipe.problems import Problem, did_you_mean
 
 Finding = tuple[tuple, str, str]  # (path, message, severity)
@@ -97,8 +98,8 @@ def _model(r) -> Iterator[Finding]:
         except Exception as exc:  # ImportError, AttributeError, or whatever the module raised on import
             yield ("model", "name"), f"cannot import model factory '{name}': {type(exc).__name__}: {exc}", "error"
     if spec.weights and not Path(spec.weights).expanduser().is_file():
-        yield ("model", "weights"), f"weights file not found: {spec.weights} (weights are never downloaded; " \
-            f"give a local state_dict file)", "error"
+        yield ("model", "weights"), f"weights file not found: {read_path_shown(spec.weights)} (weights are never " \
+            f"downloaded; give a local state_dict file)", "error"
 
 
 # --------------------------------------------------------------------------- language models

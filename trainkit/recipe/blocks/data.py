@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Iterator, Literal, Optional
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
+from ..paths import read_path_shown
 from ..pickle_check import unsafe_globals
 from .base import Block, Finding, PluginBlock, PreflightFinding
 
@@ -136,7 +137,7 @@ class ImageFolderData(DataOptions):
                 continue
             root = Path(value).expanduser()
             if not root.is_dir():
-                yield ("data", key), f"data folder not found: {root} (absolute: {root.resolve()}); " \
+                yield ("data", key), f"data folder not found: {read_path_shown(value)}; " \
                     f"make a small one with `trainkit data make-imagefolder {value}`", "error"
                 continue
             classes, samples = scan_imagefolder(root)
@@ -171,7 +172,7 @@ class Cifar10Data(DataOptions):
         missing = [n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if not (folder / n).is_file()]
         if missing:
             yield ("data", "root"), f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} (trainkit never " \
-                f"downloads; unpack cifar-10-python.tar.gz into {Path(self.root).expanduser()})", "error"
+                f"downloads; unpack cifar-10-python.tar.gz into {read_path_shown(self.root)})", "error"
             return
         for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
             unsafe = unsafe_globals(folder / name)
