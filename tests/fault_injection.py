@@ -38,7 +38,11 @@ faults never leak into another's run.
   one host barely has.
 - TRAINKIT_FAULT_DIVERGE="rank=1,step=6,what=param|buffer": after that optimizer step (after its
   checkpoint) that rank alone adds 1e-3 to its first parameter's local tensor (param), or gets a
-  buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
+  buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).- TRAINKIT_FAULT_PROBE_MEMORY=DIR: each rank writes DIR/memory-rank<R>.json as it leaves (`os._exit`,
+  after the end-of-run checks): {"baseline": VmRSS once torch, trainkit's loop, FSDP, DCP and (with
+  DS_ACCELERATOR set) DeepSpeed are imported, before the process group, model or data exist;
+  "after_step_2": VmHWM after the second optimizer step (build, setup and two steps: the optimizer's
+  state is filled in); "peak": VmHWM as it exits, the resident high-water mark over its whole life}, in bytes.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class _AttachAfterImport(importlib.abc.MetaPathFinder):
         def exec_and_attach(module):
             exec_module(module)
             attach(module.Loop)
+            install_memory_probe()
 
         spec.loader.exec_module = exec_and_attach
         return spec
@@ -135,7 +140,8 @@ def install(*, model, rank: int) -> list:
     install_slow_link(model)
     return (hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
             + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
-            + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank))
+            + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank)
+            + install_memory_step_probe())
 
 
 def install_fsdp_probe(*, model, rank: int) -> list:
@@ -199,6 +205,49 @@ def install_divergence(*, model, rank: int) -> list:
                 (p.to_local() if hasattr(p, "to_local") else p).add_(1e-3)
 
     return [diverge]
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
+
+
+MEMORY: dict = {}  # TRAINKIT_FAULT_PROBE_MEMORY's figures in this process
+
+
+def install_memory_step_probe() -> list:
+    if not os.environ.get("TRAINKIT_FAULT_PROBE_MEMORY"):
+        return []
+
+    def record(step: int) -> None:
+        if step == 2:
+            MEMORY["after_step_2"] = _proc_status_bytes("VmHWM")
+
+    return [record]
+
+
+def install_memory_probe() -> None:
+    """TRAINKIT_FAULT_PROBE_MEMORY: a worker's baseline now, its whole-life peak as it exits."""
+    folder = os.environ.get("TRAINKIT_FAULT_PROBE_MEMORY")
+    if not folder or "RANK" not in os.environ:
+        return
+    import json
+
+    import torch._dynamo  # noqa: F401  (before DeepSpeed, as trainkit imports them)
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    if os.environ.get("DS_ACCELERATOR"):
+        import deepspeed  # noqa: F401
+    # the code the run will load is in the baseline: the peak above it is data
+    MEMORY["baseline"], leave = _proc_status_bytes("VmRSS"), os._exit
+
+    def exit_with_record(code: int) -> None:
+        record = dict(MEMORY, peak=_proc_status_bytes("VmHWM"), exit_code=code)
+        Path(folder, f"memory-rank{os.environ['RANK']}.json").write_text(json.dumps(record))
+        leave(code)
+
+    os._exit = exit_with_record
 
 
 def install_collective_latency(model) -> None:

@@ -23,6 +23,7 @@ from ..runtime.files import fsync_save
 from ..runtime.materialize import check_seedable, owners, seeded_values
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy, replicated_buffers
+from .deepspeed_ops import announce_build
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
 
@@ -37,12 +38,24 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+# ZeRO-3's buffers, in elements, sized like DDP's 25 MB gradient bucket. DeepSpeed's defaults (reduce
+# bucket 5e8, prefetch 5e7, live parameters and reuse distance 1e9, one optimizer sub-group of 1e9) are
+# larger than a whole model of a few hundred million parameters: a rank then fills a gradient bucket as
+# large as the model, keeps every gathered layer until backward, and steps the optimizer over its whole
+# partition at once (two temporaries of its size in torch's AdamW); measured on bench/strategies_memory.py
+# (docs/benchmarks.md, "No rank holds the whole model").
+ZERO3_BUFFER_NUMEL = 5_000_000
+ZERO3_BUFFERS = {key: ZERO3_BUFFER_NUMEL for key in (
+    "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "sub_group_size")}
+
+
 def ds_config_for(recipe) -> dict:
     """The DeepSpeed config a recipe implies (train_batch_size is left for DeepSpeed to derive:
     micro batch x accumulation x data-parallel world size)."""
     s: DeepSpeedOptions = recipe.strategy
     t = recipe.trainer
-    zero: dict = {"stage": s.zero_stage}
+    zero: dict = {"stage": s.zero_stage, **(ZERO3_BUFFERS if s.zero_stage == 3 else {})}  # `config` may override
     if s.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": s.offload_optimizer, "pin_memory": torch_cuda_available()}
     if s.offload_param != "none":
@@ -106,7 +119,9 @@ class DeepSpeedStrategy(Strategy):
         # the original.
         import torch._dynamo  # noqa: F401
 
-        return _import_deepspeed().zero.Init(config_dict_or_path=ds_config_for(self.recipe))
+        deepspeed = _import_deepspeed()
+        announce_build()  # zero.Init starts DeepSpeed's comm: its CPU op may be compiled first
+        return deepspeed.zero.Init(config_dict_or_path=ds_config_for(self.recipe))
 
     def materialize(self, model: nn.Module, seed: int) -> nn.Module:
         """ZeRO-3: one module at a time, gather its partitioned parameters, set their seeded values
@@ -128,6 +143,7 @@ class DeepSpeedStrategy(Strategy):
         self.config = ds_config_for(self.recipe)
         apply_activation_checkpointing(model, self.performance.checkpointing)  # hooks: ZeRO-3 gathers on recompute
         optimizer = optimizer_factory(model.parameters())
+        announce_build()  # the engine starts DeepSpeed's comm: its CPU op may be compiled first
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                dist_init_required=False)
         compile_options = self.performance.compile_options

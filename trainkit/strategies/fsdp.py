@@ -266,12 +266,14 @@ class FSDPStrategy(Strategy):
 
     @classmethod
     def consolidated_state_dict(cls, folder: Path) -> dict:
-        """All shards merged into plain tensors, without a process group."""
-        import tempfile
+        """The model's shards merged into plain tensors, without a process group. DCP's own loader
+        (as `dcp_to_torch_save` uses it) reads only the "model" entries: the optimizer's state, twice
+        the model under Adam, stays on disk."""
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "full.pt"
-            dcp_to_torch_save(str(folder), str(out))
-            return torch.load(out, map_location="cpu", weights_only=False)["model"]
+        state: dict = {}
+        _load_state_dict(state, storage_reader=FileSystemReader(str(folder)),
+                         planner=_EmptyStateDictLoadPlanner(keys=["model"]), no_dist=True)
+        return state["model"]
