@@ -159,3 +159,30 @@ def test_a_cut_before_what_was_delivered_never_claims_a_status_the_server_does_n
     assert steps == list(range(1, STEPS + 1))
     assert "summary.json" in artifacts
     assert "launcher died" not in run.data.tags["trainkit.status_reason"]
+
+
+def test_a_later_run_of_a_torn_run_directory_closes_the_open_run_saying_the_spool_was_torn(outage, tmp_path):
+    """Issue 25, case 8: `trainkit run` (not sync) in a run directory whose spool a crash cut after
+    the server went away closed the run the cut left open as a dead launch's ("launcher died without
+    closing the run"), a false reason. It reports the cut and closes the run saying the spool was
+    torn. The server stays down (what the launch spools is what sync delivers, tested above)."""
+    tmp, port, run_dir, last_delivered = outage
+    spool = restored(outage)
+    index = next(i for i, r in enumerate(spool.records()) if r["op"] == "metric" and r["step"] == last_delivered + 5)
+    at = cut_inside(spool, index)
+    again = tmp_path / "runs" / "torn"  # a copy: the other tests restore only the spool and the server
+    shutil.copytree(run_dir, again)
+    (tmp_path / "torn.yaml").write_text((tmp / "torn.yaml").read_text().replace(str(tmp / "runs"), str(tmp_path / "runs")))
+
+    result = trainkit(tmp_path, "run", str(tmp_path / "torn.yaml"))
+    assert result.returncode == 0, result.output  # training was complete: nothing to train
+    assert f"the tracking spool was torn at byte {at}" in result.stderr, result.stderr  # what the cut lost
+    assert "left open by a torn tracking spool" in result.stderr and "died without closing" not in result.stderr
+    assert "marked FINISHED" not in result.stderr and "not delivered yet" in result.stderr  # the server is down
+    spooled = Spool(again).records()
+    reason = [r["tags"]["trainkit.status_reason"] for r in spooled if r["op"] == "tags"
+              and "trainkit.status_reason" in r["tags"]][-1]
+    assert f"torn at byte {at}" in reason and "completed (summary.json)" in reason and "launcher died" not in reason
+    assert [r["status"] for r in spooled if r["op"] == "status"][-1] == "FINISHED"
+    recovered = {p[3] for r in spooled if r["op"] == "recover" for p in r["points"]}
+    assert recovered == set(range(last_delivered + 5, STEPS + 1))  # the steps the cut lost, from metrics.jsonl

@@ -311,15 +311,17 @@ def close_run_left_open(run_dir: Path, announce: bool) -> Optional[str]:
     else:
         status, why = tracking.close_dead_launch_run(run_dir, launch_dir, finished), \
             f"the previous launch ({launch_dir.name if launch_dir else '?'}) died without closing its MLflow run"
-    if torn and announce:
-        for line in recovery.report(run_dir)[0]:
-            print(f"trainkit: tracking: {line}", file=sys.stderr, flush=True)
-    if status:
-        deliver(run_dir)  # best effort now; what fails waits in the spool for the next delivery
-        if torn:
-            recovery.closed(run_dir)  # announced here once the server holds it, not again by `trainkit sync`
-        if announce:
-            print(f"trainkit: tracking: {why}; marked {status}", file=sys.stderr, flush=True)
+    if not (status or torn):
+        return None
+    pending, error = deliver(run_dir)  # best effort now; what fails waits in the spool for the next delivery
+    for line in recovery.report(run_dir)[0] if torn and announce else ():
+        print(f"trainkit: tracking: {line}", file=sys.stderr, flush=True)
+    if status and torn:
+        recovery.closed(run_dir)  # announced here once the server holds it, not again by `trainkit sync`
+    if status and announce:
+        print(f"trainkit: tracking: {why}; " + (f"marked {status}" if not pending else
+              f"{status} spooled, not delivered yet ({error}): `trainkit sync {run_dir}` delivers it"),
+              file=sys.stderr, flush=True)
     return status
 
 
