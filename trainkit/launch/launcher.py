@@ -220,7 +220,7 @@ def _train(resolved, recipe_path: str, overrides: Sequence[str], decision,
         print(f"trainkit: tracking: {where}", flush=True)
         delivery = BackgroundDelivery(run_dir, announce=True)  # in this process: never on the workers' time
     try:
-        code, reason = _run_in_process(run_dir, launch_dir, resolved.redact_text) if in_process else \
+        code, reason = _run_in_process(run_dir, launch_dir, resolved.redact_text, delivery is not None) if in_process else \
             _run_torchrun(recipe, run_dir, launch_dir, resolved.redact_text, rendezvous)
     except BaseException:
         if delivery is not None:
@@ -331,16 +331,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_in_process(run_dir: Path, launch_dir: Path, redact=str) -> tuple[int, str]:
-    """World size 1: the worker's own code, in this process, under the same env contract as torchrun."""
-    from ..runtime import worker  # torch: imported where the work is
+def _run_in_process(run_dir: Path, launch_dir: Path, redact=str, delivering: bool = False) -> tuple[int, str]:
+    """World size 1: the worker's own code, in this process, under the same env contract as torchrun;
+    its intra-op threads leave the delivery thread (when `delivering`) a core (`runtime.threads`)."""
+    from ..runtime import threads, worker  # torch: imported where the work is
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return worker.main([str(run_dir)]), ""
+        with threads.sharing_the_launcher_process(delivering):
+            return worker.main([str(run_dir)]), ""
     except worker.StopRequested as stop:
         return _stopped(stop.signum, run_dir, launch_dir)
     except Exception as exc:

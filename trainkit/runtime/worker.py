@@ -208,6 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         applied_malloc = host_malloc.apply(host_malloc.for_recipe(recipe, device.type))
         summary = train(run_dir, recipe, resolved.redacted(), device)  # what checkpoints record: no secrets
         summary["host_allocator"] = applied_malloc
+        summary["intra_op_threads"] = torch.get_num_threads()  # runtime.threads: fewer in the launcher's process
         if dist.get_rank() == 0:
             console = write_reports(run_dir, recipe, summary)
             write_summary(run_dir, summary)

@@ -1,0 +1,54 @@
+"""How many intra-op threads a world-size-1 run computes with, inside the launcher's process.
+
+Why: torch's intra-op pool (OpenMP) has a thread per core, and each parallel region (a matmul, its
+backward) ends at a barrier that waits for every thread of the pool. A world-size-1 run trains inside
+the launcher process, beside the launcher's MLflow delivery thread (SQL, HTTP, spool files: Python
+work in bursts, more of it the more often the run logs). When that thread takes one of the cores,
+the pool thread it displaced is descheduled and every parallel region waits a scheduler time slice
+(milliseconds) for it: a 26k-parameter MLP's 1.7 ms step became 20-150 ms, most of it in
+`run_backward`, so a run with `log_every: 1` was 15x slower than with `log_every: 10` on 2 cores
+(docs/benchmarks.md, "One process: log_every 1 vs 10"). Leaving the delivery thread a core of its
+own removes the wait; under torchrun the workers are processes of their own and torchrun's agent
+already divides the cores among them (OMP_NUM_THREADS = cores / processes per node).
+
+`OMP_NUM_THREADS`, when set, is the user's choice and is kept.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's limit)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def beside_the_launcher(cores: int) -> int:
+    """Intra-op threads for a run that shares its process with the launcher's delivery thread: one
+    core left for that thread (none to leave on a single core)."""
+    return max(1, cores - 1)
+
+
+@contextmanager
+def sharing_the_launcher_process(delivering: bool) -> Iterator[Optional[int]]:
+    """While a world-size-1 run trains in this process: size torch's intra-op pool to leave the
+    delivery thread (when `delivering`) a core; restore the pool afterwards. Yields the thread
+    count set, or None where nothing was changed (no delivery thread, or OMP_NUM_THREADS set)."""
+    if not delivering or os.environ.get("OMP_NUM_THREADS"):
+        yield None
+        return
+    import torch  # imported where the work is
+
+    previous = torch.get_num_threads()
+    wanted = min(previous, beside_the_launcher(usable_cores()))
+    torch.set_num_threads(wanted)
+    try:
+        yield wanted
+    finally:
+        torch.set_num_threads(previous)
