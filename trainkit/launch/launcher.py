@@ -243,6 +243,10 @@ def _close(recipe: Recipe, run_dir: Path, launch_dir: Path, where: Optional[str]
         closed = tracking.close_run(run_dir, launch_dir, status, reason or "completed", artifacts, tags,
                                     timeout=recipe.tracking.close_wait_s)
         print(f"trainkit: {closed}", flush=True)
+    if code == 0:
+        from .next_steps import next_steps
+
+        print(next_steps(recipe, run_dir, tracked=bool(where)), flush=True)
     return code
 
 
