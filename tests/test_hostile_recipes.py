@@ -166,9 +166,13 @@ def test_a_recipe_cannot_make_the_run_write_outside_the_working_directory(repo, 
     assert not list(repo.parent.glob("escape*")) and not os.path.exists("/tmp/escape-tb")
 
 
+WORKER_ENVIRONMENTS: dict[str, dict[int, dict]] = {}  # run name -> pid -> the environment a worker ran with
+
+
 def listening_while_training(tmp_path, name: str, nproc: int) -> set:
     """Run a real `trainkit run` of `nproc` processes on this node and return every (address, port,
-    process) its process tree listened on while it trained (sampled every 0.2 s)."""
+    process) its process tree listened on while it trained (sampled every 0.2 s); the environments of
+    its torchrun workers go to WORKER_ENVIRONMENTS[name]."""
     import psutil
 
     from run_helpers import env_for, mlp_recipe
@@ -184,6 +188,8 @@ def listening_while_training(tmp_path, name: str, nproc: int) -> set:
         while proc.poll() is None and time.monotonic() < deadline:
             try:
                 tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                WORKER_ENVIRONMENTS.setdefault(name, {}).update(
+                    (p.pid, p.environ()) for p in tree if "trainkit.runtime.worker" in p.cmdline())
                 for p in tree:
                     seen |= {(c.laddr.ip, c.laddr.port, " ".join(p.cmdline()[:4]))
                              for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
@@ -222,3 +228,5 @@ def test_a_single_node_run_of_several_processes_listens_on_loopback_only(tmp_pat
     seen = listening_while_training(tmp_path, "pair", nproc=2)
     assert seen, "no listening socket was observed: the ranks must meet somewhere"
     assert not not_loopback(seen), not_loopback(seen)
+    # gloo's pair sockets bind the host name's address (loopback on this test host): told loopback on any host
+    assert {env.get("GLOO_SOCKET_IFNAME") for env in WORKER_ENVIRONMENTS["pair"].values()} == {"lo"}

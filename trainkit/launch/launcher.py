@@ -377,6 +377,8 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
     cmd = _torchrun_command(recipe, run_dir, rendezvous)
+    if rendezvous is not None and rendezvous.gloo_interface:  # gloo's pair sockets stay on loopback too
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous.gloo_interface)
     kills_before = oom.kills_now()  # a rank the OOM killer ends is an out-of-memory failure, not a restart
     announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
                                           fatal_marker=lambda: oom.marker_or_kill(run_dir, kills_before,

@@ -11,7 +11,9 @@ rendezvous joins a store someone else serves when told `is_host=0`. So trainkit 
 
 `--local-addr` tells torchrun the address its workers' own store (rank 0's, MASTER_ADDR) must use:
 loopback on one node, else this node's address on the route to the endpoint
-(`trainkit.runtime.process_group` binds exactly that address).
+(`trainkit.runtime.process_group` binds exactly that address). gloo's ranks also listen, pairwise, on
+the address the host name resolves to; on one node they are given the loopback interface
+(GLOO_SOCKET_IFNAME, unless the user set it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Rendezvous:
 
     endpoint: str  # HOST:PORT of the store torchrun's agent joins
     local_addr: str  # this node's address for the workers' store (MASTER_ADDR of node 0)
+    gloo_interface: Optional[str] = None  # one node: the loopback interface, for gloo's own pair sockets
     run_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))  # one node's rendezvous id, as --standalone
 
     def torchrun_command(self, command: Sequence[str]) -> list[str]:
@@ -82,7 +85,7 @@ def served(recipe: Recipe) -> Iterator[Optional[Rendezvous]]:
     la = recipe.launch
     if la.rdzv_endpoint is None:  # one node: torchrun --standalone would listen on every interface
         with _serving(bound_socket(LOOPBACK, 0)) as port:
-            yield Rendezvous(f"{LOOPBACK}:{port}", LOOPBACK)
+            yield Rendezvous(f"{LOOPBACK}:{port}", LOOPBACK, _interface_of(LOOPBACK))
         return
     if la.rdzv_backend != "c10d":
         yield None
@@ -106,6 +109,14 @@ def served(recipe: Recipe) -> Iterator[Optional[Rendezvous]]:
             yield Rendezvous(la.rdzv_endpoint, local_addr)
         return
     yield Rendezvous(la.rdzv_endpoint, local_addr)  # another agent serves it
+
+
+def _interface_of(address: str) -> Optional[str]:
+    """The name of the network interface holding `address` ('lo' for loopback on Linux)."""
+    import psutil
+
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs)),
+                None)
 
 
 @contextmanager
