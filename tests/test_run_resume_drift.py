@@ -60,7 +60,7 @@ def test_finished_relaunch_is_a_no_op_drift_is_refused_and_accepted_changes_take
     assert old.data.tags["trainkit.superseded_by"] == new.info.run_id and old.info.status == "KILLED"
     assert "optimizer.lr" in old.data.tags["trainkit.status_reason"]
     assert new.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(new.info.run_id, "loss")] == list(range(1, 11))
+    assert [m.step for m in client.get_metric_history(new.info.run_id, "train/loss")] == list(range(1, 11))
 
 
 def test_a_schedule_that_decays_over_max_steps_refuses_a_new_max_steps(tmp_path):

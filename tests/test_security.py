@@ -306,7 +306,7 @@ def test_the_secret_is_used_at_run_time_and_shown_as_stars(secret_run):
     exp = client.get_experiment_by_name("exp-***")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.run_name == "run-***" and run.info.status == "FINISHED"
-    assert run.data.params["tracking.experiment"] == "exp-***" and "loss" in run.data.metrics
+    assert run.data.params["tracking.experiment"] == "exp-***" and "train/loss" in run.data.metrics
     run_dir = tmp / "runs" / "secretive"
     assert "${oc.env:MY_API_TOKEN}" in (run_dir / "recipe.yaml").read_text()  # workers resolve it themselves
     assert "exp-***" in (run_dir / "recipe.resolved.yaml").read_text()

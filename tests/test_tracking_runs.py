@@ -33,7 +33,7 @@ def only_run(uri: str):
     return client, runs[0]
 
 
-def steps(client, run, key="loss") -> list[int]:
+def steps(client, run, key="train/loss") -> list[int]:  # trainkit's `loss` in MLflow (tracking/metric_names.py)
     return [m.step for m in client.get_metric_history(run.info.run_id, key)]
 
 
@@ -50,7 +50,7 @@ def test_one_run_with_params_tags_metrics_artifacts_on_the_embedded_store(tmp_pa
     assert tags["strategy"] == "ddp" and tags["world_size"] == "2" and tags["precision"] == "fp32"
     assert tags["torch"].startswith("2.") and tags["trainkit.version"] and tags["hostname"]
     assert steps(client, run) == list(range(1, 13))  # log_every 1, each step once, in order
-    assert {"lr", "samples_per_s"} <= set(run.data.metrics)
+    assert {"train/lr", "train/step/samples_per_s"} <= set(run.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"recipe.yaml", "summary.json", "launches"} <= artifacts
 

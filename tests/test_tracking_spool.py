@@ -21,12 +21,12 @@ def test_flatten_gives_stable_dotted_keys_and_keeps_long_values_visible():
     assert len(flat["long"]) <= MAX_PARAM and flat["long"].endswith("[truncated: see recipe.yaml artifact]")
 
 
-def _spool_run(run_dir, uri, points):
+def _spool_run(run_dir, uri, points, key="loss"):
     spool = Spool(run_dir)
     spool.append([{"op": "create", "uri": uri, "experiment": "spool-test", "run_name": "r", "ts": 1,
                    "tags": {"strategy": "ddp"}},
                   {"op": "params", "params": {"a.b": "1"}}])
-    spool.append([{"op": "metric", "key": "loss", "value": 1.0 / (s + 1), "ts": 1000 + s, "step": s}
+    spool.append([{"op": "metric", "key": key, "value": 1.0 / (s + 1), "ts": 1000 + s, "step": s}
                   for s in range(points)])
     spool.append([{"op": "status", "status": "FINISHED", "ts": 2}])
     return spool
@@ -107,16 +107,16 @@ def test_a_record_torn_mid_spool_is_reported_and_its_points_come_back_from_metri
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_dir = tmp_path / "run"
-    spool = _spool_run(run_dir, uri, 2)  # steps 0, 1 and FINISHED
+    spool = _spool_run(run_dir, uri, 2, key="train/loss")  # steps 0, 1 and FINISHED, as MlflowSink spools `loss`
     with open(spool.path, "ab") as fh:
-        fh.write(b'{"op":"metric","key":"loss","val')  # power lost mid-line
+        fh.write(b'{"op":"metric","key":"train/loss","val')  # power lost mid-line
     torn_at = spool.path.stat().st_size
-    spool.append([{"op": "metric", "key": "loss", "value": 0.25, "ts": 3000, "step": 3}])
+    spool.append([{"op": "metric", "key": "train/loss", "value": 0.25, "ts": 3000, "step": 3}])
     (run_dir / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "time": 1 + s / 1000, "loss": 1.0 / (s + 1)}) + "\n" for s in range(4)))
     recovery.repair(run_dir)
     assert deliver(run_dir) == (0, None)
-    history = MlflowClient(uri).get_metric_history(spool.state()["run_id"], "loss")
+    history = MlflowClient(uri).get_metric_history(spool.state()["run_id"], "train/loss")
     assert sorted((m.step, m.value) for m in history) == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25)]  # each once
     lines, lost = recovery.report(run_dir)
     assert lost and lines == [f"the tracking spool was torn at byte {torn_at} (a record cut mid-line: a crash "
@@ -124,4 +124,4 @@ def test_a_record_torn_mid_spool_is_reported_and_its_points_come_back_from_metri
                               "steps 2 (1 metric point(s)) re-sent from metrics.jsonl"]
     recovery.repair(run_dir)  # a second sync finds nothing new and sends nothing twice
     assert deliver(run_dir) == (0, None)
-    assert len(MlflowClient(uri).get_metric_history(spool.state()["run_id"], "loss")) == 4
+    assert len(MlflowClient(uri).get_metric_history(spool.state()["run_id"], "train/loss")) == 4

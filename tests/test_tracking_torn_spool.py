@@ -96,7 +96,7 @@ def cut_inside(spool, record_index: int) -> int:
 def the_run(uri: str, spool):
     client = MlflowClient(uri)
     run = client.get_run(spool.state()["run_id"])
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     return run, steps, artifacts
 

@@ -10,9 +10,20 @@ from typing import Optional, Sequence
 
 from . import credentials
 from .delivery import client_for, default_uri
+from .metric_names import mlflow_key
 
 SUMMARY_METRICS = ("loss", "eval_loss", "eval_accuracy", "samples_per_s", "step_time_s")
 LOWER_IS_BETTER = ("loss", "eval_loss", "step_time_s")
+
+# MLflow 3.x picks the GenAI or the model-training view from the browser's own switch (stored in
+# its localStorage), defaulting to GenAI; the experiment's `mlflow.experimentKind` tag is not read.
+# A link carrying this query opens the training view.
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def ui_link(ui_url: str, route: str = "/experiments") -> str:
+    """A link into the MLflow UI that opens in the model-training view."""
+    return f"{ui_url}/#{route}{'&' if '?' in route else '?'}{TRAINING_VIEW}"
 
 
 class TrackingError(LookupError):
@@ -107,11 +118,10 @@ def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit
         return f"no runs in {uri}"
     rows = [["run id", "name", "status", "started", "wall", "strategy", "final loss", "samples/s", "attempts"]]
     for r in runs:
-        m = r.data.metrics
+        loss, rate = r.data.metrics.get(mlflow_key("loss")), r.data.metrics.get(mlflow_key("samples_per_s"))
         rows.append([r.info.run_id[:12], r.info.run_name or "", r.info.status, _fmt_time(r.info.start_time),
-                     _duration(r), r.data.tags.get("strategy", "-"),
-                     f"{m['loss']:.4f}" if "loss" in m else "-",
-                     f"{m['samples_per_s']:.1f}" if "samples_per_s" in m else "-", _attempts(client, r, known)])
+                     _duration(r), r.data.tags.get("strategy", "-"), "-" if loss is None else f"{loss:.4f}",
+                     "-" if rate is None else f"{rate:.1f}", _attempts(client, r, known)])
     note = f"\n({len(hidden)} superseded attempt(s) hidden: --all shows them)" if hidden else ""
     return f"{uri}\n" + _table(rows) + note
 
@@ -173,18 +183,19 @@ def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "h
     for k in differing:
         rows.append([k, *[r.data.params.get(k, "-") for r in runs]])
     rows += verdict_rows(runs)
-    metric_keys = [k for k in SUMMARY_METRICS if any(k in r.data.metrics for r in runs)]
+    metric_keys = [k for k in SUMMARY_METRICS if any(mlflow_key(k) in r.data.metrics for r in runs)]
     for k in metric_keys:
-        rows.append([f"{k} (final)", *[f"{r.data.metrics[k]:.4g}" if k in r.data.metrics else "-" for r in runs]])
+        key = mlflow_key(k)
+        rows.append([f"{k} (final)", *[f"{r.data.metrics[key]:.4g}" if key in r.data.metrics else "-" for r in runs]])
         best = []
         for r in runs:
-            hist = client.get_metric_history(r.info.run_id, k) if k in r.data.metrics else []
+            hist = client.get_metric_history(r.info.run_id, key) if key in r.data.metrics else []
             vals = [m.value for m in hist]
             best.append(f"{(min(vals) if k in LOWER_IS_BETTER else max(vals)):.4g}" if vals else "-")
         rows.append([f"{k} (best)", *best])
     experiments = list(dict.fromkeys(r.info.experiment_id for r in runs))  # the UI finds runs only in these
-    link = (f"{ui_url}/#/compare-runs?runs=[{','.join(repr(r.info.run_id) for r in runs)}]"
-            f"&experiments=[{','.join(repr(e) for e in experiments)}]")
+    link = ui_link(ui_url, f"/compare-runs?runs=[{','.join(repr(r.info.run_id) for r in runs)}]"
+                           f"&experiments=[{','.join(repr(e) for e in experiments)}]")
     note = "" if differing else "\n(no params differ)"
     return _table(rows) + note + f"\n\nMLflow UI (start it with `trainkit ui`): {link.replace(chr(39), chr(34))}"
 
@@ -206,4 +217,5 @@ def ui(uri: Optional[str] = None, host: str = "127.0.0.1", port: int = 5000) -> 
            "--workers", "1"]
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where this machine reaches it
     local = f"[{local}]" if ":" in local else local
-    return serve(cmd, f"http://{local}:{port}/health", f"MLflow UI for {uri}: http://{host}:{port}  (Ctrl-C to stop)")
+    return serve(cmd, f"http://{local}:{port}/health",
+                 f"MLflow UI for {uri}: {ui_link(f'http://{host}:{port}')}  (Ctrl-C to stop)")

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from ..run_dir import METRICS, metrics_path
 from .delivery import server_status
+from .metric_names import mlflow_key
 from .run import open_status, run_artifacts, verdict_tags
 from .spool import Spool, note_tear
 
@@ -161,9 +162,9 @@ def _missing_points(run_dir: Path, spool: Spool) -> list[list]:
             step, ts = int(row["step"]), int(float(row["time"]) * 1000)
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by the same crash
-        points += [[key, float(value), ts, step] for key, value in row.items()
+        points += [[mlflow_key(key), float(value), ts, step] for key, value in row.items()
                    if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool)
-                   and (key, step) not in held]
+                   and (mlflow_key(key), step) not in held]
     return points
 
 

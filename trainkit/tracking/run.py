@@ -24,13 +24,16 @@ from typing import Any, Optional, Sequence
 
 from .. import __version__
 from ..recipe import flat
-from ..run_dir import (COMMAND, ENVIRONMENT, FAILURE, PROFILER, RECIPE, REPORTS, RESOLVED_RECIPE, VERDICT,
+from ..run_dir import (BOTTLENECK, COMMAND, ENVIRONMENT, FAILURE, PROFILER, RECIPE, REPORTS, RESOLVED_RECIPE, VERDICT,
                        report_path, summary_path)
 from . import credentials
 from .delivery import default_uri, deliver
+from .metric_names import mlflow_key
 from .spool import Spool
 
 MAX_PARAM = 6000  # MLflow's limit on a param value
+MAX_NOTE = 8000  # MLflow's limit on a tag value
+NOTE_TAG = "mlflow.note.content"  # the run's description on its MLflow page (markdown)
 
 
 def _now_ms() -> int:
@@ -162,12 +165,30 @@ def continue_in_new_run(run_dir: Path, step: int, recipe_data: dict, reason: Opt
 def verdict_tags(run_dir: Path) -> dict[str, str]:
     """The bottleneck verdict, its top advice and the step-time breakdown as run tags
     (`trainkit.bottleneck`, `trainkit.advice.1`, `trainkit.step_ms`, ...), from reports/verdict.json:
-    tags, unlike artifacts, can be filtered and sorted on in the MLflow UI and `search_runs`."""
-    path = report_path(run_dir, VERDICT)
+    tags, unlike artifacts, can be filtered and sorted on in the MLflow UI and `search_runs`. Plus the
+    verdict and all its advice as the run's description (`mlflow.note.content`, markdown on the run
+    page): among ~25 tags the verdict was hard to find and the UI cut its advice."""
     try:
-        return {str(k): str(v) for k, v in json.loads(path.read_text()).get("tags", {}).items()}
+        verdict = json.loads(report_path(run_dir, VERDICT).read_text())
+        tags = {str(k): str(v) for k, v in verdict.get("tags", {}).items()}
     except (OSError, ValueError, AttributeError):
         return {}
+    return {**tags, NOTE_TAG: verdict_note(verdict)} if verdict.get("kind") else tags
+
+
+def verdict_note(verdict: dict) -> str:
+    """The run description: the verdict first, then each piece of advice, whole (the run page shows
+    the first lines and 'Show more'); the report's tables and evidence are the reports/ artifacts."""
+    advice = [str(a) for a in verdict.get("advice") or []]
+    lines = [f"**Bottleneck: {verdict['kind']}**: {verdict.get('headline', '')}", ""]
+    lines += [f"{i}. {a}" for i, a in enumerate(advice, 1)] if advice else ["No change advised."]
+    lines += ["", f"The whole report, with the step-time breakdown and its evidence: `{REPORTS}/{BOTTLENECK}` "
+                  "in Artifacts (`trainkit report RUN_DIR` prints it)."]
+    note = "\n".join(lines)
+    if len(note) > MAX_NOTE:  # kept, visibly cut; the whole report is an artifact
+        suffix = f" ...[cut: see {REPORTS}/{BOTTLENECK}]"
+        note = note[: MAX_NOTE - len(suffix)] + suffix
+    return note
 
 
 def run_artifacts(run_dir: Path, launch_dir: Optional[Path]) -> list[dict[str, Any]]:
@@ -220,7 +241,7 @@ class MlflowSink:
 
     def log(self, metrics: dict, step: int) -> None:
         ts = _now_ms()
-        self.spool.append([{"op": "metric", "key": k, "value": float(v), "ts": ts, "step": int(step)}
+        self.spool.append([{"op": "metric", "key": mlflow_key(k), "value": float(v), "ts": ts, "step": int(step)}
                            for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)],
                           durable=False)
 
