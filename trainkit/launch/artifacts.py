@@ -16,6 +16,7 @@ from ..recipe.schema import Recipe
 from ..run_dir import CHECKPOINTS, MODEL
 from ..runtime.checkpoint import newest_valid
 from ..runtime.export import consolidated_state_dict
+from ..runtime.materialize import parameters_on_meta
 from ..runtime.model import build_model
 from ..tracking.mlflow_model import save_pytorch_model
 
@@ -41,8 +42,9 @@ def model_artifacts(recipe: Recipe, run_dir: Path, status: str) -> tuple[list[tu
         artifacts.append((newest, f"checkpoints/{newest.name}"))
     if t.log_model and status == "FINISHED":
         try:
-            model = build_model(recipe.model.model_copy(update={"weights": None}))
-            model.load_state_dict(consolidated_state_dict(newest)[1])
+            with parameters_on_meta():  # the consolidated tensors become the parameters: one copy, not two
+                model = build_model(recipe.model.model_copy(update={"weights": None}))
+            model.load_state_dict(consolidated_state_dict(newest)[1], assign=True)
             model.eval()
             artifacts.append((save_pytorch_model(model, run_dir / MODEL, example_input(recipe)), "model"))
         except Exception as exc:  # a model that cannot be saved must not hold back the run's status
