@@ -230,3 +230,5 @@ def test_a_single_node_run_of_several_processes_listens_on_loopback_only(tmp_pat
     assert not not_loopback(seen), not_loopback(seen)
     # gloo's pair sockets bind the host name's address (loopback on this test host): told loopback on any host
     assert {env.get("GLOO_SOCKET_IFNAME") for env in WORKER_ENVIRONMENTS["pair"].values()} == {"lo"}
+    command = next((tmp_path / "runs" / "pair" / "launches").glob("*/command.txt")).read_text()
+    assert "--rdzv-endpoint=127.0.0.1:" in command and "--local-addr=127.0.0.1" in command, command
