@@ -22,6 +22,7 @@ from ..run_dir import CUDA_OOM_SNAPSHOT, rank_memory_path, report_path
 from . import memory_limits
 
 RECORD_BYTES = 512
+PEAK_EVERY_S = 1.0  # steps refresh the recorded peak at most this often (other phases always do)
 CUDA_HISTORY_ENTRIES = 100_000  # allocator events kept (torchtitan's default for its snapshots)
 
 
@@ -37,12 +38,16 @@ class _Watch:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.current = ""
+        self.local_rank, self.pid = int(os.environ.get("LOCAL_RANK", "0")), os.getpid()
+        self.last_peak, self.peak_read_at = None, -PEAK_EVERY_S
 
     def phase(self, name: str) -> None:
         self.current = name
-        record = {"rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
-                  "phase": name, "peak_bytes": self.peak(),
-                  "limit_bytes": self.limit, "limit": self.limit_source, "time": time.time()}
+        now = time.monotonic()
+        if now - self.peak_read_at >= PEAK_EVERY_S or not name.startswith("step "):  # /proc read: ~30 us
+            self.last_peak, self.peak_read_at = self.peak(), now
+        record = {"rank": self.rank, "local_rank": self.local_rank, "pid": self.pid, "phase": name,
+                  "peak_bytes": self.last_peak, "limit_bytes": self.limit, "limit": self.limit_source}
         data = json.dumps(record).encode()[:RECORD_BYTES]
         try:
             os.pwrite(self.fd, data + b" " * (RECORD_BYTES - len(data)), 0)  # JSON then spaces: one JSON value
