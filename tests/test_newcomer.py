@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import psutil
+import pytest
 
 from conftest import REPO, TRAINKIT
 from run_helpers import env_for, trainkit
@@ -204,3 +205,56 @@ def test_read_paths_resolve_from_the_working_directory_errors_show_where_and_nam
     assert f"data folder not found: imgs (from the working directory: {tmp_path / 'imgs'})" in err
     shared = [line for line in err.splitlines() if line.startswith("recipes/base/common.yaml")]
     assert shared and all(re.search(r"\(recipe recipes/[ab]\.yaml\)$", line) for line in shared), err
+
+
+# --------------------------------------------------------------------------- after a run: one tracked run, shared
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 4-step tracked one-process run with the breakdown and system monitors, in its own folder."""
+    from run_helpers import mlp_recipe
+
+    tmp = tmp_path_factory.mktemp("finished")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    recipe = mlp_recipe(tmp, "newcomer", launch={"nproc_per_node": 1}, trainer={"max_steps": 4, "log_every": 2},
+                        monitors=["breakdown", "system"], tracking={"enabled": True, "uri": uri})
+    result = trainkit(tmp, "run", recipe.name)
+    assert result.returncode == 0, result.output
+    return tmp, uri, result
+
+
+def test_the_end_of_a_run_says_how_to_see_it_and_report_and_top_take_its_name(finished_run):
+    tmp, uri, result = finished_run
+    tail = result.stdout.strip().splitlines()[-2:]
+    assert tail[0].startswith(f"trainkit: next: trainkit report {tmp / 'runs' / 'newcomer'} ")
+    assert tail[1].startswith(f"trainkit: next: trainkit ui --uri {uri} "), tail  # the store, from any folder
+    by_path, by_name = trainkit(tmp, "report", "runs/newcomer"), trainkit(tmp, "report", "newcomer")
+    assert by_name.returncode == 0 and by_name.stdout == by_path.stdout and "newcomer" in by_name.stdout
+    top = trainkit(tmp, "top", "newcomer", "--once", COLUMNS="200")
+    assert top.returncode == 0 and "finished" in top.stdout, top.output
+    host_cells = [line.split("│")[2].strip() for line in top.stdout.splitlines()
+                  if re.match(r"\s*│\s*0\s*│", line) and line.count("│") > 6]  # rank 0's row of the per-rank table
+    assert host_cells == [socket.gethostname()], top.stdout  # the host column was empty
+
+
+def test_summary_names_its_two_durations_apart(finished_run):
+    import json
+
+    summary = json.loads((finished_run[0] / "runs" / "newcomer" / "summary.json").read_text())
+    assert "wall_s" not in summary  # the loop's seconds and the process's were both called wall_s
+    assert 0 < summary["loop_s"] <= summary["wall_times"]["wall_s"]
+
+
+def test_docs_have_no_empty_code_blocks_and_the_reference_keeps_whole_plugin_descriptions():
+    empty = [page.name for page in (REPO / "docs").glob("*.md")
+             if any(not body.strip() for body in re.findall(r"^```[^\n]*\n(.*?)^```", page.read_text(), re.M | re.S))]
+    assert not empty, empty
+    from trainkit import registry
+    from trainkit.recipe.reference import reference_markdown
+    from trainkit.recipe.schema import PLUGIN_FIELDS
+
+    text = reference_markdown(builtin_only=False)  # `trainkit schema --markdown --all`
+    for kind in PLUGIN_FIELDS.values():
+        for name in registry.names(kind):
+            doc = registry.load(kind, name).__doc__
+            if doc:  # its first paragraph, whole (the first line alone stopped mid-sentence)
+                assert " ".join(doc.strip().split("\n\n")[0].split()) in text, (kind, name)

@@ -41,6 +41,14 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
 
 
+def _run_dir(text: str) -> Path:
+    """RUN_DIR, or a run's name: its folder under the default launch.run_dir, where `trainkit run` puts it."""
+    from .recipe.blocks.training import LaunchOptions
+
+    named = Path(LaunchOptions.model_fields["run_dir"].default) / text
+    return named if not Path(text).is_dir() and "/" not in text and named.is_dir() else Path(text)
+
+
 def _command(sub, name: str, summary: str, description: str, examples: str) -> argparse.ArgumentParser:
     """A sub-command with a one-line summary (in `trainkit --help`), a description and examples."""
     return sub.add_parser(name, help=summary, description=description,
@@ -295,8 +303,9 @@ trainkit sync runs/ddp-mlp.tune-20261122-101500/parent runs/ddp-mlp.tune-2026112
                  "Print the bottleneck report of a finished run (needs the breakdown monitor): where step time "
                  "went and what to change.",
                  """
-trainkit report runs/resnet152-ddp""")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+trainkit report runs/resnet152-ddp
+trainkit report resnet152-ddp        # a run's name: its folder under runs/ (launch.run_dir's default)""")
+    p.add_argument("run_dir", metavar="RUN_DIR|NAME", type=_run_dir)
     p.set_defaults(func=cmd_report)
 
     p = _command(sub, "top", "live view of a training run: per-rank step phases, CPU/GPU, memory",
@@ -306,8 +315,9 @@ trainkit report runs/resnet152-ddp""")
                  "that sees the run directory; exits when the run finishes.",
                  """
 trainkit top runs/resnet152-ddp
-trainkit top runs/resnet152-ddp --once        # one frame, e.g. for a log""")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+trainkit top runs/resnet152-ddp --once        # one frame, e.g. for a log
+trainkit top resnet152-ddp                    # a run's name: its folder under runs/""")
+    p.add_argument("run_dir", metavar="RUN_DIR|NAME", type=_run_dir)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(func=cmd_top)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..run_dir import RECIPE, RESOLVED_RECIPE, has_summary, last_metrics, live_breakdown_path
+from ..run_dir import ENVIRONMENT, LAUNCHES, RECIPE, RESOLVED_RECIPE, has_summary, last_metrics, live_breakdown_path
 
 PHASES = (("step", "total"), ("data wait", "data_wait"), ("forward", "forward"), ("backward", "backward"),
           ("optimizer", "optimizer"), ("exposed comm", "comm_exposed"))
@@ -48,6 +48,15 @@ def snapshot(run_dir: Path) -> dict:
     return out
 
 
+def _launch_host(run_dir: Path) -> str:
+    """The machine of the newest launch (its recorded environment): rank 0's host without the breakdown monitor."""
+    recorded = sorted((run_dir / LAUNCHES).glob(f"*/{ENVIRONMENT}"))
+    try:
+        return json.loads(recorded[-1].read_text()).get("hostname", "-") if recorded else "-"
+    except (OSError, ValueError):
+        return "-"
+
+
 def _ms(value: Optional[float]) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
 
@@ -73,11 +82,11 @@ def render(run_dir: Path, snap: dict):
     ranks = Table(title="per rank (ms, mean over the last log interval)", expand=False)
     for col in ["rank", "host", *[p for p, _ in PHASES], "GPU %", "GPU mem MB"]:
         ranks.add_column(col, justify="right")
-    rows = snap["per_rank"] or ([{"rank": 0, "host": "", "total": m.get("step_time_s"),
+    rows = snap["per_rank"] or ([{"rank": 0, "host": _launch_host(run_dir), "total": m.get("step_time_s"),
                                   "data_wait": m.get("data_wait_s")}] if m else [])
     for r in rows:
         g = f"gpu/rank{r['rank']}/"
-        ranks.add_row(str(r["rank"]), r.get("host", ""), *[_ms(r.get(k)) for _, k in PHASES],
+        ranks.add_row(str(r["rank"]), r.get("host") or "-", *[_ms(r.get(k)) for _, k in PHASES],
                       _num(m.get(g + "utilization_percent"), "{:.0f}"), _num(m.get(g + "memory_used_mb"), "{:.0f}"))
     nodes = Table(title="per node", expand=False)
     for col in ("node", "CPU %", "workers RSS MB", "memory used %"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from typing import Optional
 
@@ -43,7 +44,8 @@ class BreakdownMonitor(Monitor):
             self._add(times.resolve())
         n, window = self.window.get("steps", 0), self.window
         self.window = {}
-        return {k: window[k] / n for k in PHASES if n and k in window}
+        return {"host": socket.gethostname(),  # each rank's own: `trainkit top` shows which machine is slow
+                **{k: window[k] / n for k in PHASES if n and k in window}}
 
     def report(self, step: int, per_rank: list[dict]) -> dict:
         self._write_live(step, per_rank)
