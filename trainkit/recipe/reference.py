@@ -6,6 +6,7 @@ committed file differs from what the schema says.
 
 from __future__ import annotations
 
+import inspect
 import typing
 from typing import Any
 
@@ -68,6 +69,11 @@ def _table(model: type[BaseModel], skip: tuple[str, ...] = ()) -> list[str]:
     return rows
 
 
+def _summary(doc: str) -> str:
+    """A docstring's first paragraph on one line (its first line alone may stop mid-sentence)."""
+    return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+
+
 def reference_markdown(builtin_only: bool = True) -> str:
     out = [HEADER, "## Top level", ""]
     out += _table(Recipe, skip=("data", "strategy", "monitors"))
@@ -81,7 +87,7 @@ def reference_markdown(builtin_only: bool = True) -> str:
                          ("performance", PerformanceOptions), ("tracking", TrackingOptions)):
         out += [f"## `{title}`", ""]
         if model.__doc__:
-            out += [model.__doc__.strip().splitlines()[0], ""]
+            out += [_summary(model.__doc__), ""]
         out += _table(model) + [""]
     titles = {"data": "Datasets", "strategy": "Strategies", "monitors": "Monitors", "task": "Tasks"}
     for block, kind in PLUGIN_FIELDS.items():
@@ -90,7 +96,7 @@ def reference_markdown(builtin_only: bool = True) -> str:
             model = registry.load(kind, name)
             out += [f"### `{block}: {{name: {name}}}`", ""]
             if model.__doc__:
-                out += [model.__doc__.strip().splitlines()[0], ""]
+                out += [_summary(model.__doc__), ""]
             out += _table(model, skip=("name",)) + [""]
     out += ["## Models (`model.name`)", "",
             "`torchvision.<name>` (any torchvision classification model, no weight download), an import path "

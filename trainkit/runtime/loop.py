@@ -346,7 +346,8 @@ class Loop:
             "final_loss": metrics.get("loss"),
             "eval": {k: v for k, v in metrics.items() if k.startswith("eval_")},
             "samples_per_s": done * global_batch / elapsed if elapsed > 0 and done else 0.0,
-            "wall_s": elapsed, "global_batch": global_batch, "world_size": self.strategy.world_size,
+            # the loop's seconds (samples_per_s is over them); the process's are wall_times.wall_s
+            "loop_s": elapsed, "global_batch": global_batch, "world_size": self.strategy.world_size,
             "skipped_images": skipped,
             "checkpoint": str(last_ckpt) if last_ckpt else None,
             "first_step_at": first_step_at, "per_rank_times": per_rank_stats, "report_sections": report_sections,
