@@ -49,10 +49,17 @@ def outcomes(request, tmp_path_factory) -> list[Outcome]:
         tmp_path_factory.mktemp("grid")
     try:
         yield run_grid(folder, accepted_cells(), timeout=GRID_TIMEOUT_S,
-                       device_env=deepspeed_env(request, tmp_path_factory))
+                       device_env={**deepspeed_env(request, tmp_path_factory), **inductor_cache(request)})
     finally:
         if folder.parent == shm:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def inductor_cache(request) -> dict:
+    """Inductor's compiled kernels kept in pytest's cache across sessions (as DeepSpeed's CPU op): the
+    grid's compile cells cost about a minute each on 2 cores when nothing is cached."""
+    cache = getattr(request.config, "cache", None)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(cache.mkdir("torchinductor"))} if cache is not None else {}
 
 
 @pytest.mark.distributed
