@@ -26,9 +26,9 @@ def finish(tmp_path, strategy: dict, **env: str) -> tuple[dict, str]:
                                             ({"name": "fsdp", "wrap": ["Linear"]}, "buffer")])
 def test_a_rank_that_diverged_after_the_last_step_is_reported(tmp_path, strategy, what):
     """Guards replica_digests: DDP hashes each rank's own parameters (rank 1's weight moved by 1e-3
-    must show); FSDP hashes each rank's replicated state (rank 1's buffer differs) plus the model
-    reassembled from the shards. Hashing one gathered model on every rank (the old FSDP check)
-    could not see either."""
+    must show); FSDP hashes each rank's replicated state (rank 1's buffer differs) plus every rank's
+    shard digests (issue 28: digests travel, never tensors). Hashing one gathered model on every rank
+    (an older FSDP check) could not see either."""
     s, stderr = finish(tmp_path, strategy, TRAINKIT_FAULT_DIVERGE=f"rank=1,step={STEPS},what={what}")
     assert s["replicas_identical"] is False, s["replica_digests"]
     assert s["replica_digests"][0] != s["replica_digests"][1]
