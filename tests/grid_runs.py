@@ -20,7 +20,7 @@ from typing import Optional
 import yaml
 
 from run_helpers import env_for
-from trainkit.recipe.compatibility.grid import LM_DATA, MODELS, STEPS, TOLERANCE, WORLD, Cell
+from trainkit.recipe.compatibility.grid import LM_DATA, MODELS, STEPS, WORLD, Cell, tolerance
 from trainkit.recipe.compatibility.page import RESULTS, load_results
 
 RUNNER = "trainkit.runtime.cell_runner"
@@ -138,10 +138,10 @@ def problems_of(outcome: Outcome) -> list[str]:
     if reference is not None:
         if "error" in reference:
             return [f"its reference failed: {reference['error']}"]
-        tol = TOLERANCE[outcome.cell.precision][0]
+        tol = tolerance(outcome.cell)[0]
         ref = {int(k): v for k, v in reference["losses"].items()}
         worst = max(abs(losses[s] - ref[s]) / abs(ref[s]) for s in ref)
-        if worst > tol:
+        if tol is not None and worst > tol:
             out.append(f"loss {losses} differs from the reference's {ref} by {worst:.2e} relative (> {tol:g})")
     resumed = {int(k): v for k, v in result["resumed_losses"].items()}
     if result["resumed_from"] != "step-00000002" or \
