@@ -2,6 +2,11 @@
 (2 ranks), side by side in one run, plus the pipeline bubble (measured vs ideal step time).
 
     python bench/strategies_memory.py [--steps 4] [--out results.json]
+    python bench/strategies_memory.py --only ddp fsdp zero3 --lifecycle [--nproc 4 --depth 3 --hidden 2048]
+
+`--lifecycle` measures the whole life of each rank, as a trainkit run has it: after the steps, the
+pre-checkpoint weights check, a checkpoint save, its load (a resume) and the end-of-run replica check,
+each through trainkit's own code, with the peak after each (issue 28: no rank holds the whole model).
 
 Each strategy runs in its own `torchrun --standalone --nproc-per-node 2` group (so peaks do not
 mix) through trainkit's own Strategy classes -- the same setup / forward_backward /
