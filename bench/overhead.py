@@ -8,6 +8,9 @@
     python bench/overhead.py framework --compile   # both sides compiled: DDP(torch.compile(m)) / performance.compile
     python bench/overhead.py compile     # trainkit, a conv model (small_cnn): eager vs performance.compile
     python bench/overhead.py compiled-gap   # where the compiled pair's gap is not: the launcher, DDP's buckets
+    python bench/overhead.py log-every --steps 440 --repeats 7   # ONE process, tracked: log_every 10 vs 1
+    python bench/overhead.py log-every --steps 440 --repeats 3 --before   # ... and log_every 1 with torch's
+                                         # default intra-op pool (what world size 1 used before runtime/threads.py)
 
 Each configuration trains the same MLP on the same synthetic data for --steps steps, --repeats times,
 alternating configurations so machine noise hits them alike. Reported per configuration: the median
@@ -45,6 +48,10 @@ BATCH = 32
 
 ALL_MONITORS = ("system", "gpu", "throughput", "breakdown", "memory", "stragglers")
 CONV = {"name": "small_cnn", "args": {"num_classes": 10, "width": 32}}
+# the issue's one-process case: a digits-sized MLP (8x8 inputs, 26k parameters), tracked to SQLite
+DIGITS = {"model": {"name": "mlp", "args": {"in_features": 64, "hidden": 128, "depth": 2, "num_classes": 10}},
+          "data": {"name": "synthetic", "num_samples": 1797, "shape": [1, 8, 8], "num_classes": 10,
+                   "batch_size": 64, "shuffle": True}}
 
 
 def recipe(folder: Path, name: str, steps: int, log_every: int, **extra) -> Path:
@@ -135,9 +142,35 @@ def start_server(folder: Path) -> tuple[subprocess.Popen, str]:
     sys.exit("mlflow server did not start")
 
 
+def one_process_logging(folder: Path, steps: int, warmup: int, env: dict, before: bool) -> dict:
+    """World size 1 runs in the launcher's process beside its MLflow delivery thread: log_every 10
+    against 1 (docs/benchmarks.md, "One process: log_every 1 vs 10"), OMP_NUM_THREADS unset as a user
+    runs it; with `before`, also log_every 1 with torch's default pool, the size runtime/threads.py
+    reduces it from."""
+    env = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
+    uri = f"sqlite:///{folder}/mlflow.db"
+
+    def one(name: str, log_every: int, run_env: dict):
+        path = recipe(folder, name, steps, log_every, **DIGITS, tracking={"experiment": "bench", "uri": uri},
+                      launch={"nproc_per_node": 1, "run_dir": str(folder / "runs")})
+        return lambda: run_trainkit(folder, path, name, warmup, run_env)
+
+    configs = {"log_every 10": one("le10", 10, env), "log_every 1": one("le1", 1, env)}
+    if before:  # OMP_NUM_THREADS set is kept by trainkit: set to torch's default pool, it undoes the fix
+        pool = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        configs[f"log_every 1, torch's default pool ({pool}, before)"] = one(
+            "le1-before", 1, {**env, "OMP_NUM_THREADS": pool})
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("compare", choices=["framework", "tracking", "monitors", "compile", "compiled-gap"])
+    parser.add_argument("compare", choices=["framework", "tracking", "monitors", "compile", "compiled-gap",
+                                            "log-every"])
+    parser.add_argument("--before", action="store_true",
+                        help="log-every: also log_every 1 with torch's default intra-op pool (OMP_NUM_THREADS unset "
+                             "before runtime/threads.py; set here to that pool's size)")
     parser.add_argument("--compile", action="store_true", help="framework: both sides compiled")
     parser.add_argument("--each", action="store_true", help="monitors: also each monitor alone")
     parser.add_argument("--monitors", action="store_true",
@@ -179,6 +212,8 @@ def main() -> None:
                    # trainkit passes bucket_cap_mb=25 explicitly, which drops DDP's 1 MiB first bucket
                    "plain script, bucket_cap_mb=25 explicit": lambda: run_plain(
                        folder, steps, args.warmup, le, env, True, ("--bucket-cap-mb", "25"))}
+    elif args.compare == "log-every":
+        configs = one_process_logging(folder, steps, args.warmup, env, args.before)
     elif args.compare == "compile":
         configs = {"small_cnn eager": tk("eager", model=CONV),
                    "small_cnn performance.compile": tk("compiled", model=CONV, performance={"compile": True})}
@@ -203,8 +238,12 @@ def main() -> None:
     base = statistics.median(s for s, _ in results[next(iter(results))])
     base_first = statistics.median(f for _, f in results[next(iter(results))])
     model = f"{CONV['name']} {CONV['args']}" if args.compare == "compile" else f"MLP {MODEL}"
-    print(f"{args.compare}: {steps} steps, steady state from step {args.warmup}, log_every {le}, "
-          f"{args.repeats} alternating repeats, 2 processes (gloo, CPU), {model}, batch {BATCH}/rank")
+    if args.compare == "log-every":
+        print(f"log-every: {steps} steps, steady state from step {args.warmup}, {args.repeats} alternating repeats, "
+              f"1 process (in the launcher's), tracked to SQLite, MLP {DIGITS['model']['args']}, batch 64")
+    else:
+        print(f"{args.compare}: {steps} steps, steady state from step {args.warmup}, log_every {le}, "
+              f"{args.repeats} alternating repeats, 2 processes (gloo, CPU), {model}, batch {BATCH}/rank")
     print(f"{'configuration':<52} {'s/step (median)':>16} {'ratio':>7} {'per-repeat ratio: median (min-max)':>36} "
           f"{'to 1st step s':>14} {'ratio':>7}")
     base_values = results[next(iter(results))]
