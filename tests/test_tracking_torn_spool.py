@@ -186,3 +186,5 @@ def test_a_later_run_of_a_torn_run_directory_closes_the_open_run_saying_the_spoo
     assert [r["status"] for r in spooled if r["op"] == "status"][-1] == "FINISHED"
     recovered = {p[3] for r in spooled if r["op"] == "recover" for p in r["points"]}
     assert recovered == set(range(last_delivered + 5, STEPS + 1))  # the steps the cut lost, from metrics.jsonl
+    later = trainkit(tmp_path, "sync", str(again))  # the server is still down: pending, the cut still reported
+    assert later.returncode == 1 and f"torn at byte {at}" in later.stderr, later.output
