@@ -102,9 +102,10 @@ def served(recipe: Recipe) -> Iterator[Optional[Rendezvous]]:
         try:
             sock = bound_socket(address, port)
         except OSError as exc:  # not this node's address, or another agent on this machine serves it
-            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
-                raise
-            continue
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                continue
+            yield None  # e.g. a privileged port: torch's own rendezvous tries, and says why it cannot
+            return
         with _serving(sock):
             yield Rendezvous(la.rdzv_endpoint, local_addr)
         return
