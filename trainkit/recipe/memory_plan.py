@@ -160,6 +160,9 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         unit_bytes = low or FP32
         parts.append(Part("gathered unit", 2 * sizes.largest_unit * unit_bytes, "device",
                           f"2 x {sizes.largest_unit:,} x {unit_bytes} B (largest unit, and the next prefetched)"))
+    if L.builds_whole_model:
+        parts.append(Part("whole model at build", P * FP32, "host",
+                          f"{P:,} x 4 B: every rank builds the whole model, then keeps its stage"))
     if sizes.buffer_bytes:
         parts.append(Part("buffers", sizes.buffer_bytes, "device", "the model's buffers (not sharded)"))
     activations = _activations(sizes, s)

@@ -36,7 +36,8 @@ class PipelineOptions(StrategyOptions):
     def memory_layout(self, world_size: int) -> MemoryLayout:
         # each rank holds its stage's layers (balanced by parameters) and their activations
         stages = self.parallel_dims(world_size).pp
-        return MemoryLayout(parameters=stages, gradients=stages, optimizer=stages, parameters_split=stages)
+        return MemoryLayout(parameters=stages, gradients=stages, optimizer=stages, parameters_split=stages,
+                            builds_whole_model=stages > 1)
 
     def plan_lines(self, recipe: Any) -> list[str]:
         ws = recipe.world_size

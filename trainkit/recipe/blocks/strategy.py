@@ -94,6 +94,9 @@ class MemoryLayout:
         beside an fp32 master copy (DeepSpeed); otherwise they stay fp32 and autocast casts.
     master_copy: the optimizer keeps its own fp32 copy of its partition (DeepSpeed, even in fp32).
     offload_parameters / offload_optimizer: kept in host memory instead of the device's.
+    builds_whole_model: every rank builds the whole model before keeping its part (the pipeline's
+        stages): host memory the process has held once, and on the CPU still holds (a retaining host
+        allocator keeps freed blocks resident; bench/memory_plan.py).
     runtime_bytes: what the strategy's libraries add to a rank's process before the model (measured).
     """
 
@@ -107,6 +110,7 @@ class MemoryLayout:
     master_copy: bool = False
     offload_parameters: bool = False
     offload_optimizer: bool = False
+    builds_whole_model: bool = False
     runtime_bytes: int = 0
 
 
