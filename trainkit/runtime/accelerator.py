@@ -48,9 +48,8 @@ def needs_cpu_collectives(recipe) -> bool:
     """Whether CPU tensors go through collectives even when the model is on a GPU.
 
     - FSDP with `cpu_offload`: sharded parameters and gradients live on the CPU as DTensors, so
-      the gradient-norm `full_tensor()` when clipping, the GradScaler's found-inf all-reduce (fp16)
-      and the end-of-run replica digest (`full_tensor()` of every parameter) are collectives over
-      CPU tensors, which nccl cannot carry (torchtitan adds `cpu:gloo` for its CPU offload too).
+      the gradient-norm `full_tensor()` when clipping and the GradScaler's found-inf all-reduce
+      (fp16) are collectives over CPU tensors (the end-of-run replica check exchanges only digests), which nccl cannot carry (torchtitan adds `cpu:gloo` for its CPU offload too).
     - Not needed by DDP, FSDP without offload, pipeline or DeepSpeed: their collectives move
       device tensors (the pipeline's loss broadcast and norm all-reduce are on the device,
       DeepSpeed's offload reduces on the GPU before copying to the CPU), and
