@@ -32,6 +32,10 @@ def launch_without_omp_setting(tmp, recipe) -> subprocess.CompletedProcess:
 
 def torch_default_threads(tmp) -> int:
     """The intra-op pool torch gives a process of this machine when OMP_NUM_THREADS is unset."""
+    if not os.environ.get("OMP_NUM_THREADS"):  # this process's own pool is that default
+        import torch
+
+        return torch.get_num_threads()
     env = env_for(tmp)
     env.pop("OMP_NUM_THREADS")
     res = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
@@ -45,7 +49,7 @@ def test_a_tracked_one_process_run_leaves_the_delivery_thread_a_core(tmp_path):
     torch's default, a thread per core): the run's summary records a core left, and the run is
     delivered to MLflow."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    recipe = mlp_recipe(tmp_path, "one-proc", launch={"nproc_per_node": 1},
+    recipe = mlp_recipe(tmp_path, "one-proc", launch={"nproc_per_node": 1}, trainer={"max_steps": 4},
                         tracking={"enabled": True, "experiment": "threads", "uri": uri})
     res = launch_without_omp_setting(tmp_path, recipe)
     assert res.returncode == 0, res.stdout + res.stderr
