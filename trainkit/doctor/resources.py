@@ -246,6 +246,14 @@ def memory(resolved) -> Optional[Check]:
     fits = [a for a in verdict.advice if a.fits]
     fix = ("; ".join(a.text for a in (fits or verdict.advice)) or "a machine with more memory") \
         + " (docs/memory.md)"
+    host_need = verdict.plan.total("host") * resolved.recipe.launch.nproc_per_node
+    if verdict.plan.setting.device_type != "cpu" and host_need > memory_limits.limit().available:
+        host = memory_limits.limit()
+        return failed(name, f"host memory will not fit: {human_bytes(host_need)} on the host for "
+                            f"{resolved.recipe.launch.nproc_per_node} rank(s) (offloaded state, the runtime) > "
+                            f"{human_bytes(host.available)} available ({host.source})",
+                      "offload less (strategy.offload_optimizer / offload_param / cpu_offload), or fewer ranks "
+                      "per node (docs/memory.md)")
     if need > verdict.budget:
         return failed(name, f"will not fit: {detail}", f"changes that would fit: {fix}" if fits else
                       f"nothing single fits; closest: {fix}")
