@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..recipe.blocks import DeepSpeedOptions
+from ..recipe.blocks.deepspeed import ZERO3_BUFFER_NUMEL
 from ..runtime.files import fsync_save
 from ..runtime.materialize import check_seedable, owners, seeded_values
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
@@ -43,8 +44,8 @@ def _merge(base: dict, extra: dict) -> dict:
 # larger than a whole model of a few hundred million parameters: a rank then fills a gradient bucket as
 # large as the model, keeps every gathered layer until backward, and steps the optimizer over its whole
 # partition at once (two temporaries of its size in torch's AdamW); measured on bench/strategies_memory.py
-# (docs/benchmarks.md, "No rank holds the whole model").
-ZERO3_BUFFER_NUMEL = 5_000_000
+# (docs/benchmarks.md, "No rank holds the whole model"). The size lives with the options: the memory plan
+# counts these buffers too.
 ZERO3_BUFFERS = {key: ZERO3_BUFFER_NUMEL for key in (
     "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
     "sub_group_size")}

@@ -23,6 +23,7 @@ OWNED_BY_THE_RECIPE = {
 
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
+ZERO3_BUFFER_NUMEL = 5_000_000  # trainkit's ZeRO-3 buckets and live parameters (the component's ds_config)
 DEEPSPEED_RUNTIME = 130 << 20  # importing DeepSpeed adds this to a rank's process (measured, docs/memory.md)
 
 
@@ -56,11 +57,11 @@ class DeepSpeedOptions(StrategyOptions):
         # casts the module to bf16/fp16; gradients go through its reduce bucket (reduce_bucket_size).
         n, stage = world_size, self.zero_stage
         zero = self.config.get("zero_optimization", {}) if isinstance(self.config.get("zero_optimization"), dict) else {}
+        bucket = int(zero.get("reduce_bucket_size", ZERO3_BUFFER_NUMEL if stage == 3 else DEEPSPEED_REDUCE_BUCKET))
         return MemoryLayout(optimizer=n if stage >= 1 else 1, gradients=n if stage >= 2 else 1,
                             parameters=n if stage == 3 else 1, gathers_units=stage == 3,
                             low_precision_parameters=True, master_copy=stage >= 1,
-                            gradient_bucket_elements=int(zero.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET))
-                            if stage >= 2 else 0,
+                            gradient_bucket_elements=bucket if stage >= 2 else 0,
                             offload_parameters=self.offload_param != "none",
                             offload_optimizer=self.offload_optimizer != "none", runtime_bytes=DEEPSPEED_RUNTIME)
 
