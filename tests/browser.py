@@ -79,8 +79,11 @@ class Browser:
         return result.get("value") or ""
 
     def open(self, url: str, ready: Callable[[str], bool], timeout: float = 60.0) -> str:
-        """Go to `url` and return the page's text once `ready(text)` holds, or after `timeout`
-        seconds (then the caller's assertion shows what was there)."""
+        """Load `url` afresh and return the page's text once `ready(text)` holds, or after `timeout`
+        seconds (then the caller's assertion shows what was there). Through about:blank: going from one
+        `#/...` route of a single-page app to another is a hash change the app may read half-way (MLflow's
+        compare page once failed to parse its own query so), not the load a person's click on a link is."""
+        self._page("Page.navigate", url="about:blank")
         self._page("Page.navigate", url=url)
         deadline = time.monotonic() + timeout
         text = self.text()

@@ -95,6 +95,17 @@ def test_the_experiment_opens_in_the_training_view_from_the_link_trainkit_prints
     assert not [word for word in GENAI_VIEW if word in text], text
 
 
+def test_the_compare_link_opens_the_runs_side_by_side(ui, browser):
+    from trainkit.tracking.browse import compare
+
+    run = ui["run"].info
+    link = compare([run.run_id, run.run_id], uri=ui["uri"], ui_url=ui["base"]).splitlines()[-1].split(": ", 1)[1]
+    assert link.startswith(f"{ui['base']}/#/compare-runs?") and link.endswith("workflowType=machine_learning"), link
+    text = browser.open(link, lambda t: "Parameters" in t and run.run_name in t)
+    assert run.run_name in text and "Parameters" in text, (link, text)
+    assert not [word for word in GENAI_VIEW if word in text], text
+
+
 def test_the_run_page_shows_the_learning_curves_first(ui, browser):
     route = f"/experiments/{ui['experiment']}/runs/{ui['run'].info.run_id}/model-metrics"
     text = browser.open(ui_link(ui["base"], route), lambda t: "lr" in t.splitlines())
