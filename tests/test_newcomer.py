@@ -70,6 +70,9 @@ def test_the_distribution_has_its_own_name_on_the_package_index_and_plugins_depe
     installed = distribution(DISTRIBUTION)  # the checkout installed under that name, its command still `trainkit`
     assert "trainkit = trainkit.cli:main" in installed.read_text("entry_points.txt")
     assert set(names("strategies", builtin_only=True)) >= {"ddp", "fsdp", "pipeline", "deepspeed"}
+    extras = [str(f) for f in [*REPO.glob("trainkit/**/*.py"), *REPO.glob("docs/*.md"), REPO / "README.md"]
+              if "trainkit[" in f.read_text()]  # `pip install 'trainkit[hf]'` installs the unrelated project
+    assert not extras, extras
 
 
 def free_port() -> int:

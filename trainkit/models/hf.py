@@ -6,7 +6,7 @@
 weights, no hub access. The wrapper returns the logits tensor, so tasks and strategies see the same
 `tokens -> logits` module as the built-in transformer. Runs under DDP, FSDP (wrap the model's
 decoder-layer class, e.g. `LlamaDecoderLayer`) and DeepSpeed; not the pipeline strategy (the model
-is not an nn.Sequential of blocks). Needs the optional extra: `pip install 'trainkit[hf]'`.
+is not an nn.Sequential of blocks). Needs the optional extra: `pip install 'trainkit-recipes[hf]'`.
 """
 
 from __future__ import annotations

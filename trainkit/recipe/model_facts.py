@@ -102,7 +102,7 @@ class HFCausalLMFacts(ModelFacts):
         try:  # deferred: transformers is an optional extra and slow to import
             from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
         except ImportError:
-            raise LookupError("model hf_causal_lm needs Hugging Face transformers: pip install 'trainkit[hf]'") from None
+            raise LookupError("model hf_causal_lm needs Hugging Face transformers: pip install 'trainkit-recipes[hf]'") from None
         if model_type not in CONFIG_MAPPING_NAMES:
             known = sorted(CONFIG_MAPPING_NAMES)
             raise LookupError(f"unknown Hugging Face model_type '{model_type}'{did_you_mean(str(model_type), known)} "
