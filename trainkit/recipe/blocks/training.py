@@ -73,6 +73,10 @@ class LaunchOptions(Block):
     monitor_interval: PositiveFloat = Field(default=1.0, description="seconds between agent health checks")
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl with CUDA, else gloo")
     timeout_s: PositiveInt = Field(default=600, description="collective timeout")
+    hang_timeout_s: Optional[PositiveFloat] = Field(
+        default=None, description="a hang is declared when no rank makes progress for this long (docs/running.md, "
+                                  "'When a run hangs'); null: 10x the slowest step seen, at least min(120, "
+                                  "timeout_s / 2) seconds")
     run_dir: str = Field(default="runs", description="parent folder of run directories")
 
     @field_validator("nnodes", mode="before")
