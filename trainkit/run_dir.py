@@ -54,6 +54,10 @@ CUDA_OOM_SNAPSHOT = "cuda-oom-rank{rank}.pickle"  # the allocator's history when
 
 # RUN_DIR/live/
 RANK_MEMORY = "memory-rank{rank}.json"  # each rank's phase, peak memory and limit (the OOM report reads it)
+RANK_PROGRESS = "progress-rank{rank}.json"  # each rank's step and phase, rewritten in place (the hang watch)
+RANK_STACKS = "stacks-rank{rank}.txt"  # each rank's Python stacks, dumped on SIGUSR1 (the hang report)
+HANG = "hang.md"  # RUN_DIR/reports/: which rank was behind, where each rank was, their stacks
+NCCL_TRACE = "nccl-trace-rank"  # RUN_DIR/reports/ prefix of NCCL's Flight Recorder dumps (rank appended)
 
 WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up: no
 #                   step statistics (metrics.jsonl's step_time_s, the report's medians) before step 3
@@ -79,6 +83,10 @@ LAYOUT = (
     (f"{LIVE}/{BREAKDOWN}", "every rank's step phases of the last log interval, for `trainkit top`"),
     (f"{LIVE}/memory-rank<R>.json", "each rank's phase (build, step N, checkpoint N, end), peak memory and limit: "
                                     "what the out-of-memory report says"),
+    (f"{LIVE}/progress-rank<R>.json, {LIVE}/stacks-rank<R>.txt", "each rank's step and phase (the hang watch reads "
+                                                                "it) and its stacks when a hang was declared"),
+    (f"{REPORTS}/{HANG}, {REPORTS}/{NCCL_TRACE}<R>", "the hang report (docs/running.md, 'When a run hangs'); NCCL's "
+                                                   "Flight Recorder dumps on a collective timeout"),
     (f"{TRACKING}/", "the MLflow spool: what is still to be delivered"),
     (f"{PROFILER}/", "profiler monitor traces"),
     (f"{TENSORBOARD}/", "tensorboard monitor events"),
@@ -239,6 +247,14 @@ def live_breakdown_path(run_dir: Path) -> Path:
 
 def rank_memory_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / LIVE / RANK_MEMORY.format(rank=rank)
+
+
+def rank_progress_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / LIVE / RANK_PROGRESS.format(rank=rank)
+
+
+def rank_stacks_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / LIVE / RANK_STACKS.format(rank=rank)
 
 
 # --------------------------------------------------------------------------- launches/<timestamp>/
