@@ -50,8 +50,9 @@ def client_for(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-# MLflow 3.x opens an experiment without this tag in its GenAI view; training runs belong in the
-# model-training view. The installed mlflow has no Python constant for it (the UI's ExperimentKind enum).
+# The experiment's kind, as MLflow's own UI sets it when a user picks one (the UI's ExperimentKind enum;
+# no Python constant). MLflow 3.17's UI does not read it to choose the view (a per-browser switch or the
+# link's workflowType does: browse.ui_link); it is kept for MLflow versions and tools that do.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
