@@ -13,6 +13,9 @@ faults never leak into another's run.
   on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so tests can check that torchrun
   restarts and that resume loses nothing.
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
+- TRAINKIT_FAULT_HANG="rank=1,step=4,where=backward,how=sleep": that rank stops making progress in that
+  optimizer step, in its forward (where=forward) or its backward (where=backward, a gradient hook), by
+  sleeping for an hour (how=sleep) or by sending itself SIGSTOP (how=stop); on every attempt.
 - TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step
   (",where=input": its input is +inf instead, so a BatchNorm sees it).
 - TRAINKIT_FAULT_RECORD_SAMPLES=DIR: every rank records a hash of each training sample it sees.
@@ -138,10 +141,44 @@ def install(*, model, rank: int) -> list:
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
     install_collective_latency(model)
     install_slow_link(model)
-    return (hooks + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
+    return (hooks + install_hang(model=model, rank=rank) + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
             + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
             + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank)
             + install_memory_step_probe())
+
+
+def install_hang(*, model, rank: int) -> list:
+    """TRAINKIT_FAULT_HANG (see the module's docstring)."""
+    spec = os.environ.get("TRAINKIT_FAULT_HANG")
+    if not spec or int(_fields(spec).get("rank", -1)) != rank:
+        return []
+    import signal
+
+    fields = _fields(spec)
+    at, current = int(fields["step"]), [1]
+
+    def hang(*_) -> None:
+        if current[0] != at:
+            return
+        print(f"trainkit: TRAINKIT_FAULT_HANG: rank {rank} hangs in step {at}", file=sys.stderr, flush=True)
+        if fields.get("how", "sleep") == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(3600)
+
+    def in_backward(module, args, output):
+        if module.training and output.requires_grad:
+            output.register_hook(hang)
+
+    if fields.get("where", "backward") == "forward":
+        model.register_forward_pre_hook(lambda module, args: hang() if module.training else None)
+    else:
+        model.register_forward_hook(in_backward)
+
+    def advance(step: int) -> None:
+        current[0] = step + 1
+
+    return [advance]
 
 
 def install_fsdp_probe(*, model, rank: int) -> list:

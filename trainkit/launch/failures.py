@@ -115,8 +115,10 @@ class RestartAnnouncer(logging.Handler):
     EVENTS = "torchelastic-events-null"
     PROCESSES = "torch.distributed.elastic.multiprocessing.api"
 
-    def __init__(self, log_dir: Path, resume_point, fatal_marker=lambda: None, max_restarts: int = 0):
+    def __init__(self, log_dir: Path, resume_point, fatal_marker=lambda: None, max_restarts: int = 0,
+                 hang=lambda: None):
         super().__init__(logging.INFO)
+        self.hang, self.hang_announced = hang, None  # hang(): the launch's hang watch's latest declared hang
         self.log_dir, self.resume_point = log_dir, resume_point  # resume_point(): newest complete checkpoint
         # fatal_marker(): the run directory's fatal marker (a NaN, a full disk) or None. When a rank left
         # one and restarts remain, the agent is stopped instead of restarting: every restart would only
@@ -199,7 +201,12 @@ class RestartAnnouncer(logging.Handler):
         return min(found)[1] if found else None
 
     def announcement(self, attempt: int) -> str:
-        what = self._culprit(attempt) or "a worker failed"
+        hang = self.hang()
+        if hang is not None and hang is not self.hang_announced:  # the watch ended the group: a peer's wait is no cause
+            self.hang_announced = hang
+            what = f"rank {hang.behind.number} hung at {hang.behind.where} ({hang.report})"
+        else:
+            what = self._culprit(attempt) or "a worker failed"
         checkpoint = self.resume_point()
         where = f"resumes from {checkpoint}" if checkpoint else "starts from scratch (no complete checkpoint yet)"
         return f"trainkit: restart {attempt}: {what}; the worker group restarts and {where}"

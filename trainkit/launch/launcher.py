@@ -35,7 +35,7 @@ from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOG
 from ..runtime import preflight
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
-from . import failures, oom, rendezvous_store
+from . import failures, hang_watch, oom, rendezvous_store
 from .lock import LaunchLock, LockHeld, describe, job_identity
 
 COMPLETED = "interrupted after training completed; final checkpoint and summary are complete"
@@ -240,6 +240,7 @@ def _close(recipe: Recipe, run_dir: Path, launch_dir: Path, where: Optional[str]
 
         status = "FINISHED" if code == 0 else "KILLED" if code > 128 else "FAILED"
         artifacts, tags = model_artifacts(recipe, run_dir, status)
+        tags = {**tags, **hang_watch.tags(run_dir, since=(launch_dir / COMMAND).stat().st_mtime)}
         closed = tracking.close_run(run_dir, launch_dir, status, reason or "completed", artifacts, tags,
                                     timeout=recipe.tracking.close_wait_s)
         print(f"trainkit: {closed}", flush=True)
@@ -380,16 +381,19 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     if rendezvous is not None and rendezvous.gloo_interface:  # gloo's pair sockets stay on loopback too
         os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous.gloo_interface)
     kills_before = oom.kills_now()  # a rank the OOM killer ends is an out-of-memory failure, not a restart
+    os.environ.update(hang_watch.flight_recorder_env(run_dir, os.environ))  # NCCL: its own record of a hang
+    watch = hang_watch.HangWatch(run_dir, recipe.launch.hang_timeout_s, recipe.launch.timeout_s)
     announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
                                           fatal_marker=lambda: oom.marker_or_kill(run_dir, kills_before,
                                                                                   announcer.failed),
-                                          max_restarts=recipe.launch.max_restarts)
+                                          max_restarts=recipe.launch.max_restarts, hang=lambda: watch.hang)
     try:
-        with announcer:
+        with announcer, watch:
             torchrun.run(torchrun.parse_args(cmd[1:]))
     except ChildFailedError as err:
-        report = redact(oom.explain(failures.summarize(err, run_dir / LOGS, recipe.launch.max_restarts), err,
-                                    run_dir, kills_before, recipe))
+        hang = watch.hang_of({f.pid for f in err.failures.values()})
+        report = redact(hang.failure_report(recipe.launch.max_restarts) if hang else oom.explain(
+            failures.summarize(err, run_dir / LOGS, recipe.launch.max_restarts), err, run_dir, kills_before, recipe))
         print(report, file=sys.stderr)
         return 1, _with_disk_full_note(report, run_dir)
     except SignalException as exc:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..recipe.schema import Recipe
-from . import memory_watch
+from . import memory_watch, progress_record
 from .nonfinite import NonFiniteError, NonFiniteGuard, restore_buffers, snapshot_buffers
 from .protocols import Checkpointer, MetricSink, MonitorHooks, NoMonitors, Precision, Progress, Strategy, Task
 from .stats import RunStats
@@ -163,13 +163,16 @@ class Loop:
         # skip_step must be able to undo the forward's side effects: BatchNorm running statistics of a
         # discarded step would otherwise keep its inf/NaN and reach every later checkpoint
         buffers_before = snapshot_buffers(self.model) if self.recipe.trainer.on_nonfinite == "skip_step" else []
+        step = self.state.step + 1
         for micro in range(accum):
             t0 = time.perf_counter()
+            progress_record.phase(step, "data")  # what a hang report names (runtime.progress_record)
             x, y = self._to_device(next(data))
             data_wait += time.perf_counter() - t0
             if marks:
                 marks.clear()  # marks left by evaluate()'s forwards are not this step's
             c0 = clock.mark()
+            progress_record.phase(step, "forward")  # "backward" when the forward returns (watch_backward)
             total += self.strategy.forward_backward(self.model, x, y, self.task.loss_fn, self.precision,
                                                     grad_accum_steps=accum, last_micro_step=micro == accum - 1)
             compute.add(c0, clock.mark())
@@ -177,6 +180,7 @@ class Loop:
                 forward.add(c0, marks.marks[0])
                 marks.clear()
         o0 = clock.mark()
+        progress_record.phase(step, "optimizer")
         self.skipped = False
         if self.recipe.trainer.on_nonfinite == "skip_step" and not self.guard.step_is_finite(
                 self.strategy, total, self.model.parameters(), device=self.device,
@@ -258,6 +262,7 @@ class Loop:
         metrics: dict = {}
         data = self.batches()
         self.model.train()
+        progress_record.watch_backward(self.model)
         self.monitors.call("on_run_start")
         first_step_at = None
         self.wall = wall = WallTimes(self.process_start or time.time())
@@ -298,6 +303,7 @@ class Loop:
                 if self.eval_loader is not None and t.eval_every and (step % t.eval_every == 0 or last):
                     e0 = time.perf_counter()
                     memory_watch.phase(f"evaluation at step {step}")
+                    progress_record.phase(step, "eval")
                     evaluated = self.evaluate()
                     e_s = time.perf_counter() - e0
                     wall.eval_s += e_s
@@ -319,6 +325,7 @@ class Loop:
                 c0 = time.perf_counter()
                 self._stop_if_nonfinite(step, weights=True)  # a NaN never reaches a checkpoint
                 memory_watch.phase(f"checkpoint at step {step}")
+                progress_record.phase(step, "checkpoint")
                 last_ckpt = self.checkpointer.save(step, self.model, self.optimizer, self.trainer_state())
                 self.last_checkpoint = last_ckpt
                 self.monitors.call("on_checkpoint", step, last_ckpt)

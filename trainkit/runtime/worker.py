@@ -36,7 +36,7 @@ from ..recipe.schema import Recipe
 from ..run_dir import CHECKPOINTS, METRICS, RECIPE
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
-from . import accepted_changes, error_file, fatal, memory_watch, resume
+from . import accepted_changes, error_file, fatal, memory_watch, progress_record, resume
 from .checkpoint import Checkpointer, DiskFullError, saved_recipe
 from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
@@ -204,6 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
         memory_watch.start(run_dir, dist.get_rank(), device)  # phase and peak, for an out-of-memory report
+        progress_record.start(run_dir, dist.get_rank())  # step and phase, stacks on SIGUSR1: for a hang report
         # before the model, optimizer and data allocate: glibc settings apply to later allocations
         applied_malloc = host_malloc.apply(host_malloc.for_recipe(recipe, device.type))
         summary = train(run_dir, recipe, resolved.redacted(), device)  # what checkpoints record: no secrets

@@ -1,0 +1,98 @@
+"""A hung rank is found, named and reported within launch.hang_timeout_s (issue 29): real `trainkit run`,
+2 ranks, gloo, a rank made to stop progressing by tests/fault_injection.py (TRAINKIT_FAULT_HANG)."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+from mlflow.tracking import MlflowClient
+
+from run_helpers import mlp_recipe, trainkit
+
+from trainkit.runtime.checkpoint import newest_valid
+
+HANG_TIMEOUT_S = 5
+COLLECTIVE_TIMEOUT_S = 90  # what ended such a run before: the hang must be declared long before it
+
+
+def _recipe(tmp_path, name: str, **launch):
+    return mlp_recipe(tmp_path, name, trainer={"max_steps": 40, "log_every": 2, "checkpoint": {"every": 4, "keep": 2}},
+                      launch={"nproc_per_node": 2, "timeout_s": COLLECTIVE_TIMEOUT_S,
+                              "hang_timeout_s": HANG_TIMEOUT_S, **launch},
+                      tracking={"enabled": True})
+
+
+def _mlflow_run(tmp_path, name: str):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                             filter_string=f"tags.mlflow.runName = '{name}'")[0]
+    return run, [a.path for a in client.list_artifacts(run.info.run_id, "reports")]
+
+
+def _left_running(tmp_path) -> list:
+    """Processes of this run still alive (the workers' command line names the run directory)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or ()) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_a_stopped_rank_is_named_with_its_state_before_the_collective_timeout(tmp_path):
+    """Guards the watchdog and the report on a rank that cannot answer: rank 1 SIGSTOPs itself in the
+    forward of step 6. Before, the run ended only at the collective timeout, blaming the rank killed last
+    ("killed by SIGKILL"). Now the hang is declared after hang_timeout_s, reports/hang.md names rank 1 at
+    step 6, forward, stopped (State T), the failure summary blames rank 1, nothing is left running, the
+    step-4 checkpoint is intact, and the MLflow run is FAILED with the report and a tag."""
+    recipe = _recipe(tmp_path, "stopped")
+    started = time.monotonic()
+    result = trainkit(tmp_path, "run", str(recipe), timeout=COLLECTIVE_TIMEOUT_S + 60,
+                      TRAINKIT_FAULT_HANG="rank=1,step=6,where=forward,how=stop")
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.output
+    assert took < COLLECTIVE_TIMEOUT_S, f"{took:.0f} s: the collective timeout, not the hang watch, ended the run"
+    run_dir = tmp_path / "runs" / "stopped"
+    report = (run_dir / "reports" / "hang.md").read_text()
+    assert report.startswith("# Hang: rank 1 is behind at step 6, forward"), report
+    assert "State T" in report and "cannot answer" in report, report
+    assert "## Rank 0 " in report and 'File "' in report, report  # rank 0's stacks were collected
+    assert "rank 1 (pid" in result.stderr and "hung at step 6, forward" in result.stderr, result.output
+    assert "killed by SIGKILL" not in result.output, result.output
+    assert not _left_running(tmp_path)
+    assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"
+    run, artifacts = _mlflow_run(tmp_path, "stopped")
+    assert run.info.status == "FAILED"
+    assert "reports/hang.md" in artifacts, artifacts
+    assert run.data.tags["trainkit.hang"].startswith("hang: no rank made progress"), run.data.tags
+
+
+def test_a_rank_sleeping_in_backward_is_named_and_the_same_hang_twice_stops_restarts(tmp_path):
+    """Guards naming the rank behind when every rank is at the same step and phase, and the restart
+    policy: rank 1 sleeps inside the backward of step 6 on every attempt. Before, the run waited out the
+    collective timeout and the restart blamed rank 0, the healthy rank that timed out waiting. Now each
+    attempt's hang is declared after hang_timeout_s naming rank 1 in backward (its own code, while rank 0
+    waits inside torch); the restart is announced as rank 1's hang, resumes from step 4, hangs the same
+    way, and the launcher stops restarting and says so."""
+    recipe = _recipe(tmp_path, "sleeper", max_restarts=2)
+    started = time.monotonic()
+    result = trainkit(tmp_path, "run", str(recipe), timeout=2 * COLLECTIVE_TIMEOUT_S,
+                      TRAINKIT_FAULT_HANG="rank=1,step=6,where=backward,how=sleep")
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.output
+    assert took < COLLECTIVE_TIMEOUT_S, f"{took:.0f} s: the collective timeout, not the hang watch, ended the run"
+    run_dir = tmp_path / "runs" / "sleeper"
+    report = (run_dir / "reports" / "hang.md").read_text()
+    assert report.startswith("# Hang: rank 1 is behind at step 6, backward"), report
+    assert "fault_injection.py" in report and "its own code" in report, report
+    assert "restart 1: rank 1 hung at step 6, backward" in result.stderr, result.output
+    assert "the same hang as the previous attempt" in result.stderr and "not restarting" in result.stderr, \
+        result.output
+    assert "restart 2" not in result.stderr, result.output
+    assert not _left_running(tmp_path)
+    assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"
+    run, artifacts = _mlflow_run(tmp_path, "sleeper")
+    assert run.info.status == "FAILED" and "reports/hang.md" in artifacts, (run.info.status, artifacts)

@@ -1,0 +1,304 @@
+"""The launcher's progress watchdog: when no rank of this node makes progress for
+`launch.hang_timeout_s`, declare a hang before the collective timeout fires, write
+RUN_DIR/reports/hang.md (where each rank is, the rank that is behind, every rank's stacks) and end
+the workers so torchrun counts it as a failure (restarts apply).
+
+Why in the launcher, from files: a hung rank cannot report itself, and the others are blocked in a
+collective. Each rank rewrites its step and phase in place (`trainkit.runtime.progress_record`);
+this thread reads those records, and on a hang asks each rank for its stacks with SIGUSR1
+(faulthandler answers from its C signal handler). A SIGSTOPped rank cannot answer: its
+/proc/<pid>/status State (T) and wchan are what the report shows. The same hang twice (the rank
+behind at the same step and phase) leaves the fatal marker: restarts stop, as for a NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..run_dir import HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, rank_stacks_path, report_path, write_fatal
+from ..runtime.progress_record import PHASES, STACKS_SIGNAL, read
+
+POLL_S = 0.5
+STACKS_WAIT_S = 3.0  # how long the ranks get to dump their stacks
+STEP_MULTIPLE = 10  # the default timeout: this many times the slowest step seen ...
+FLOOR_S = 120.0  # ... and at least this (or half the collective timeout, when that is shorter)
+TORCH_PACKAGE = os.sep + "torch" + os.sep
+HANG_TAG = "trainkit.hang"
+
+
+class HangDeclared(RuntimeError):
+    """The same hang happened twice: a restart would repeat it (the fatal marker's message)."""
+
+
+def default_timeout(timeout_s: float, slowest_step_s: float) -> float:
+    """launch.hang_timeout_s: null — long enough for real GPU steps, short of the collective timeout."""
+    return max(min(FLOOR_S, timeout_s / 2), STEP_MULTIPLE * slowest_step_s)
+
+
+@dataclass
+class Rank:
+    """One rank's record at the hang, and what the launcher could learn about its process."""
+
+    record: dict
+    state: str = "?"
+    wchan: str = ""
+    stacks: str = ""
+    innermost: str = ""  # the main thread's innermost frame
+
+    @property
+    def number(self) -> int:
+        return int(self.record["rank"])
+
+    @property
+    def stopped(self) -> bool:
+        return self.state.startswith(("T", "t"))
+
+    @property
+    def where(self) -> str:
+        return f"step {self.record['step']}, {self.record['phase']}"
+
+    def progress(self) -> tuple:
+        phase = self.record.get("phase")
+        return int(self.record.get("step", 0)), PHASES.index(phase) if phase in PHASES else len(PHASES)
+
+    def waits_in_torch(self) -> bool:
+        return TORCH_PACKAGE in self.innermost
+
+
+@dataclass
+class Hang:
+    """A declared hang: the rank that is behind, every rank, and the report's summary line."""
+
+    ranks: list[Rank]
+    behind: Rank
+    why_behind: str
+    silent_s: float
+    timeout_s: float
+    repeated: bool = False
+    report: Optional[Path] = None
+
+    def key(self) -> tuple:
+        return self.behind.number, self.behind.record["step"], self.behind.record["phase"]
+
+    def summary(self) -> str:
+        return (f"hang: no rank made progress for {self.silent_s:.0f} s (launch.hang_timeout_s "
+                f"{self.timeout_s:g}); rank {self.behind.number} is behind at {self.behind.where} "
+                f"({self.why_behind})")
+
+    def failure_report(self, max_restarts: int) -> str:
+        others = ", ".join(f"rank {r.number} at {r.where}" for r in self.ranks if r is not self.behind)
+        return "\n".join([
+            f"trainkit: training failed ({max_restarts} restart(s) allowed, all used): rank {self.behind.number} "
+            f"(pid {self.behind.record['pid']}) hung at {self.behind.where}",
+            f"  {self.summary()}",
+            *([f"  waiting for it: {others}"] if others else []),
+            f"  report with every rank's stacks: {self.report}"])
+
+
+@dataclass
+class HangWatch:
+    """Started by the launcher around torchrun's agent; `hang` is set once one is declared."""
+
+    run_dir: Path
+    timeout_s: Optional[float]  # launch.hang_timeout_s (None: `default_timeout`)
+    collective_timeout_s: float
+    hang: Optional[Hang] = None
+    previous: Optional[tuple] = None
+    started: float = field(default_factory=time.time)
+    ended: set = field(default_factory=set)  # pids of the ranks this watch ended
+    stop_event: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> "HangWatch":
+        self.thread = threading.Thread(target=self._watch, name="trainkit-hang-watch", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=STACKS_WAIT_S + 5)
+
+    def hang_of(self, pids: set) -> Optional[Hang]:
+        """The declared hang that ended these workers (torchrun's failed pids), if one did."""
+        if self.hang is not None and pids & {r.record["pid"] for r in self.hang.ranks}:
+            return self.hang
+        return None
+
+    # ------------------------------------------------------------------ watching
+    def _records(self) -> list[dict]:
+        found = []
+        for path in (self.run_dir / LIVE).glob(RANK_PROGRESS.format(rank="*")):
+            try:
+                if path.stat().st_mtime < self.started:  # an earlier launch's record
+                    continue
+            except OSError:
+                continue
+            record = read(path)
+            if record and record.get("host") == socket.gethostname() and record.get("pid") not in self.ended and _alive(int(record.get("pid", 0))):
+                found.append(record)
+        return sorted(found, key=lambda r: r["rank"])
+
+    def _watch(self) -> None:
+        last_seen, changed_at = None, time.monotonic()
+        while not self.stop_event.wait(POLL_S):
+            try:
+                records = self._records()
+                seen = tuple((r["rank"], r["pid"], r["step"], r["phase"], r["at"]) for r in records)
+                now = time.monotonic()
+                if seen != last_seen:
+                    last_seen, changed_at = seen, now
+                    continue
+                limit = self.timeout_s or default_timeout(
+                    self.collective_timeout_s, max((r.get("slowest_step_s") or 0.0) for r in records) if records else 0.0)
+                if records and now - changed_at >= limit:
+                    self._declare(records, now - changed_at, limit)
+                    last_seen, changed_at = None, time.monotonic()
+            except Exception as exc:  # the watch must never take the launch down
+                print(f"trainkit: warning: hang watch: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ declaring
+    def _declare(self, records: list[dict], silent_s: float, timeout_s: float) -> None:
+        ranks = [Rank(record) for record in records]
+        for rank in ranks:
+            rank.state, rank.wchan = _process_state(int(rank.record["pid"]))
+            rank_stacks_path(self.run_dir, rank.number).write_text("")  # this hang's stacks only
+        for rank in ranks:
+            if not rank.stopped:
+                _signal(int(rank.record["pid"]), STACKS_SIGNAL)
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while time.monotonic() < deadline and not all(_stacks(self.run_dir, r) for r in ranks if not r.stopped):
+            time.sleep(0.1)
+        time.sleep(0.2)  # let the last dump finish
+        for rank in ranks:
+            rank.stacks = "" if rank.stopped else _stacks(self.run_dir, rank)
+            rank.innermost = _innermost_frame(rank.stacks)
+        behind, why = _behind(ranks)
+        hang = Hang(ranks, behind, why, silent_s, timeout_s)
+        hang.repeated = hang.key() == self.previous
+        self.previous = hang.key()
+        hang.report = _write_report(self.run_dir, hang)
+        print(f"trainkit: {hang.summary()}; report: {hang.report}", file=sys.stderr, flush=True)
+        if hang.repeated:  # stops torchrun's restarts (launch.failures.RestartAnnouncer reads the marker)
+            write_fatal(self.run_dir, HangError(f"{hang.summary()}, the same hang as the previous attempt "
+                                                f"(report: {hang.report})"))
+        self.hang = hang
+        for rank in ranks:  # SIGKILL: a stopped rank does not act on SIGTERM; checkpoints are written atomically
+            self.ended.add(rank.record["pid"])
+            _signal(int(rank.record["pid"]), signal.SIGKILL)
+
+
+class HangError(RuntimeError):
+    """The fatal marker's error name for a repeated hang."""
+
+
+def _behind(ranks: list[Rank]) -> tuple[Rank, str]:
+    """The rank the others wait for: a stopped process; else the least progress; else, among ranks at
+    the same step and phase, the one running its own code while the others wait inside torch."""
+    stopped = [r for r in ranks if r.stopped]
+    if stopped:
+        return stopped[0], f"its process is stopped: State {stopped[0].state}"
+    least = min(r.progress() for r in ranks)
+    candidates = [r for r in ranks if r.progress() == least]
+    if len(candidates) < len(ranks):
+        return candidates[0], "the least progress of all ranks"
+    own_code = [r for r in candidates if r.innermost and not r.waits_in_torch()]
+    if own_code and len(own_code) < len(candidates):
+        return own_code[0], f"it runs its own code ({own_code[0].innermost.strip()}) while the others wait inside torch"
+    return candidates[0], "every rank is at the same place: the stacks below tell which one is stuck"
+
+
+def _write_report(run_dir: Path, hang: Hang) -> Path:
+    lines = [f"# Hang: rank {hang.behind.number} is behind at {hang.behind.where}", "",
+             f"trainkit: {hang.summary()}.", "",
+             "| rank | pid | step | phase | process | main thread's innermost frame |", "|---|---|---|---|---|---|"]
+    for r in hang.ranks:
+        process = f"{r.state}" + (f", wchan {r.wchan}" if r.wchan else "")
+        frame = r.innermost.strip() or ("cannot answer: its process is stopped" if r.stopped else "no stacks")
+        lines.append(f"| {r.number} | {r.record['pid']} | {r.record['step']} | {r.record['phase']} | {process} | "
+                     f"{frame.replace('|', '/')} |")
+    if hang.repeated:
+        lines += ["", "The same hang as the previous attempt: not restarting."]
+    for r in hang.ranks:
+        lines += ["", f"## Rank {r.number} (pid {r.record['pid']}): {r.where}", ""]
+        if r.stopped:
+            lines.append(f"No stacks: the process is stopped (State {r.state}; e.g. SIGSTOP, a debugger) and "
+                         f"cannot answer SIGUSR1.")
+        else:
+            lines += ["```", r.stacks.rstrip() or "(no answer to SIGUSR1 within the wait)", "```"]
+    path = report_path(run_dir, HANG)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def flight_recorder_env(run_dir: Path, environ) -> dict:
+    """NCCL's Flight Recorder for the workers (torchtitan's docs/debugging.md): a ring of the last
+    collectives, dumped into RUN_DIR/reports/ when a collective times out (analyse the dumps with torch's
+    `python -m torch.distributed.flight_recorder.fr_trace`). Gloo ignores these variables; a value
+    already in the environment wins. Untested here: no GPU in the test suite."""
+    prefix = str(report_path(run_dir, NCCL_TRACE))
+    report_path(run_dir, "").mkdir(parents=True, exist_ok=True)
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def tags(run_dir: Path, since: float) -> dict:
+    """The MLflow tag of a hang this launch declared (its report's summary line), else {}."""
+    path = report_path(run_dir, HANG)
+    try:
+        if path.stat().st_mtime < since:
+            return {}
+        line = next(line for line in path.read_text().splitlines() if line.startswith("trainkit: hang"))
+    except (OSError, StopIteration):
+        return {}
+    return {HANG_TAG: line.removeprefix("trainkit: ").rstrip(".")}
+
+
+# --------------------------------------------------------------------------- processes
+def _alive(pid: int) -> bool:
+    return pid > 0 and os.path.exists(f"/proc/{pid}") and _process_state(pid)[0][:1] not in ("Z", "X", "?")
+
+
+def _process_state(pid: int) -> tuple[str, str]:
+    """(State line of /proc/<pid>/status, e.g. 'T (stopped)', and its wchan), or ('?', '')."""
+    try:
+        state = next(line.split(":", 1)[1].strip() for line in open(f"/proc/{pid}/status")
+                     if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "?", ""
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        wchan = ""
+    return state, "" if wchan == "0" else wchan
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+
+
+def _stacks(run_dir: Path, rank: Rank) -> str:
+    try:
+        return rank_stacks_path(run_dir, rank.number).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _innermost_frame(stacks: str) -> str:
+    """The first frame of the thread that runs the worker's main (faulthandler's dump)."""
+    for block in stacks.split("\n\n"):
+        frames = [line for line in block.splitlines() if line.strip().startswith("File ")]
+        if any("trainkit" + os.sep + "runtime" + os.sep + "worker.py" in f for f in frames):
+            return frames[0]
+    return ""

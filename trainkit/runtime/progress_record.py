@@ -1,0 +1,88 @@
+"""Where each rank is in training (step and phase), kept in RUN_DIR/live/progress-rank<R>.json for the
+launcher's hang watch (`trainkit.launch.hang_watch`), and its Python stacks on request.
+
+Why a file rewritten in place: the launcher must see that no rank makes progress without asking the
+ranks anything (a hung rank cannot answer) and without a device sync or a collective on the hot path.
+Each phase change (data, forward, backward, optimizer, eval, checkpoint) is one `pwrite` of a
+fixed-size record to a file opened once: a few microseconds, no fsync.
+
+Stacks: `faulthandler` dumps every thread's Python stack into RUN_DIR/live/stacks-rank<R>.txt on
+SIGUSR1, from its C signal handler, so a rank blocked inside a collective (no GIL, no Python
+running) still answers. A rank stopped by SIGSTOP cannot: the hang report says so.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..run_dir import rank_progress_path, rank_stacks_path
+
+RECORD_BYTES = 256
+STACKS_SIGNAL = signal.SIGUSR1
+PHASES = ("data", "forward", "backward", "optimizer", "eval", "checkpoint")  # in the order a step runs them
+
+
+class _Record:
+    def __init__(self, run_dir: Path, rank: int):
+        path = rank_progress_path(run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.rank, self.pid, self.host = rank, os.getpid(), socket.gethostname()
+        self.step, self.step_started, self.slowest_step_s = 0, time.monotonic(), 0.0
+        self.stacks = open(rank_stacks_path(run_dir, rank), "w")  # kept open: faulthandler writes to its fd
+        faulthandler.register(STACKS_SIGNAL, file=self.stacks, all_threads=True, chain=False)
+
+    def phase(self, step: int, name: str) -> None:
+        now = time.monotonic()
+        if step != self.step:  # a new step: the previous one's duration sizes the default hang timeout
+            if self.step:
+                self.slowest_step_s = max(self.slowest_step_s, now - self.step_started)
+            self.step, self.step_started = step, now
+        record = {"rank": self.rank, "pid": self.pid, "host": self.host, "step": step, "phase": name, "at": time.time(),
+                  "slowest_step_s": round(self.slowest_step_s, 4)}
+        data = json.dumps(record).encode()[:RECORD_BYTES]
+        try:
+            os.pwrite(self.fd, data + b" " * (RECORD_BYTES - len(data)), 0)  # JSON then spaces: one JSON value
+        except OSError:  # a full disk: the hang watch is the lesser loss
+            pass
+
+
+_record: Optional[_Record] = None
+
+
+def start(run_dir: Path, rank: int) -> None:
+    """Begin this rank's record and answer SIGUSR1 with its stacks."""
+    global _record
+    _record = _Record(run_dir, rank)
+
+
+def phase(step: int, name: str) -> None:
+    """This rank is now in `name` (one of PHASES) of optimizer step `step`; nothing when not started."""
+    if _record is not None:
+        _record.phase(step, name)
+
+
+def watch_backward(model) -> None:
+    """Mark the backward phase when the training forward returns (the strategy runs forward and
+    backward in one call): a forward hook, no sync."""
+    def forward_done(module, args, output):
+        if module.training and _record is not None:
+            _record.phase(_record.step, "backward")
+
+    model.register_forward_hook(forward_done)
+
+
+def read(path: Path) -> Optional[dict]:
+    """A rank's record, or None when it is missing or being rewritten."""
+    try:
+        found = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
