@@ -102,6 +102,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_restarts(tmp_path, capsys):
     """Guards item 3: a rank the kernel's OOM killer ends (SIGKILL, in a memory cgroup) is reported
     as out of memory -- which rank, during which step, its peak and the cgroup's limit, and the
