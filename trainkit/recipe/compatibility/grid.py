@@ -205,10 +205,21 @@ TOLERANCE: dict[str, tuple[float, str]] = {
 BF16_PARAMETERS = {"zero1", "zero2", "zero3", "zero3+offload"}
 
 
-def tolerance(cell: "Cell") -> tuple[Optional[float], str]:
-    """(relative tolerance of each step's loss, why); None: the trajectory is not compared."""
+# after the first step, a BatchNorm model's losses amplify any difference in summation order: the
+# statistics of 4 samples of 1x1 maps (layer3/layer4 of a ResNet on 8x8 images) turn a 6e-7 difference at
+# step 1 (an FSDP channels_last ResNet in fp32: NHWC inputs, NCHW weights; the reference converts both)
+# into 8.6e-3 at step 2, and compile's reordering into 1.4e-2 at step 3
+LATER_STEPS_WITH_BATCHNORM = 5e-2
+
+
+def tolerance(cell: "Cell") -> tuple[Optional[float], Optional[float], str]:
+    """(relative tolerance of step 1's loss, of the later steps', why); None: not compared."""
     tol, why = TOLERANCE[cell.precision]
-    if cell.precision == "bf16" and cell.strategy in BF16_PARAMETERS and MODELS[cell.model].get("statistics_per_rank"):
-        return None, ("DeepSpeed trains bf16 parameters (not autocast) and keeps BatchNorm statistics in bf16; over "
-                      "BatchNorm of 4 samples the difference to the autocast reference is not a rounding tolerance")
-    return tol, why
+    batchnorm = MODELS[cell.model].get("statistics_per_rank")
+    if cell.precision == "bf16" and cell.strategy in BF16_PARAMETERS and batchnorm:
+        return None, None, ("DeepSpeed trains bf16 parameters (not autocast) and keeps BatchNorm statistics in bf16; "
+                            "over BatchNorm of 4 samples the difference to the autocast reference is not a rounding "
+                            "tolerance")
+    if batchnorm:
+        return tol, max(tol, LATER_STEPS_WITH_BATCHNORM), why + "; later steps of a BatchNorm model: see grid.py"
+    return tol, tol, why
