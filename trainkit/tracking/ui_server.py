@@ -28,7 +28,8 @@ class _Stopped(Exception):
 
 def serve(cmd: Sequence[str], health_url: str, announce: str) -> int:
     """Run `cmd` in a new process group; print `announce` once `health_url` answers; stop the group on exit."""
-    server = subprocess.Popen(list(cmd), start_new_session=True)
+    # the server's own chatter goes to stderr: stdout carries only the announcement (scripts read the URL)
+    server = subprocess.Popen(list(cmd), start_new_session=True, stdout=sys.stderr)
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if _wait_until_answering(server, health_url):
