@@ -48,11 +48,12 @@ def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = Fa
             if refusals:
                 result["refused"] = refusals
                 raise _Refused()
-            result["losses"] = _train_once_more_on_error(run_dir, result)
-            if resume:
-                result["resumed_from"] = _drop_last_checkpoint(run_dir) if _rank() == 0 else None
-                result["resumed_losses"] = _train(run_dir)
-                result["export"] = _export(run_dir) if _rank() == 0 else None
+            try:
+                _check(run_dir, result, resume)
+            except Exception as exc:  # noqa: BLE001 -- once more from scratch, the first error kept
+                result["retried_after"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-500:]
+                _start_over(run_dir)
+                _check(run_dir, result, resume)
         except _Refused:
             pass
         except BaseException as exc:  # noqa: BLE001 -- recorded, and the next cell runs
@@ -99,22 +100,25 @@ def _train(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _train_once_more_on_error(run_dir: Path, result: dict) -> dict[int, float]:
-    """The first training pass, tried a second time from scratch if it fails (the first error is kept in
-    the result as `retried_after`): in a process that has trained other cells before, a bf16 ResNet
-    now and then stops with a non-finite check that a fresh process never shows (issue 26, open)."""
+def _check(run_dir: Path, result: dict, resume: bool) -> None:
+    result["losses"] = _train(run_dir)
+    if resume:
+        result["resumed_from"] = _drop_last_checkpoint(run_dir) if _rank() == 0 else None
+        result["resumed_losses"] = _train(run_dir)
+        result["export"] = _export(run_dir) if _rank() == 0 else None
+
+
+def _start_over(run_dir: Path) -> None:
+    """A failed cell is trained once more from scratch: in a process that has trained other cells
+    before, a bf16 ResNet now and then stops on the non-finite check, which a fresh process running
+    the same recipe never showed (issue 26, open); the result keeps the first error (`retried_after`)."""
     import torch.distributed as dist
 
-    try:
-        return _train(run_dir)
-    except Exception as exc:  # noqa: BLE001 -- recorded
-        result["retried_after"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-500:]
     dist.barrier()
     if _rank() == 0:
         for name in ("checkpoints", "metrics.jsonl"):
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    return _train(run_dir)
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
