@@ -169,7 +169,8 @@ def record(outcomes: list[Outcome], failures: dict, *, kind: str, device: str, c
     for o in outcomes:
         if o.cell.id not in failures:
             outcome = {"result": "refused", "why": o.result["refused"]} if "refused" in o.result else \
-                {"result": "verified"}
+                {"result": "verified", **({"retried_after": o.result["retried_after"]}
+                                          if "retried_after" in o.result else {})}
             results.setdefault(o.cell.id, {})[kind] = {**outcome, **stamp}
     results = {cell: kinds for cell, kinds in sorted(results.items()) if kinds}
     RESULTS.write_text(json.dumps({"cells": results}, indent=1, sort_keys=True) + "\n")

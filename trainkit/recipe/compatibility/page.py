@@ -84,7 +84,8 @@ def _intro(results: dict[str, Any]) -> list[str]:
             "Legend: **CPU** verified on CPU (gloo), **GPU** verified on CUDA (nccl), **refused (n)** "
             "refused by `trainkit validate` with message n below, **CPU: refused (n)** accepted by validate "
             "but refused by `trainkit run`'s preflight on that device (before anything starts), **not "
-            "verified** accepted but not run there."]
+            "verified** accepted but not run there; **(2nd try)**: the first attempt stopped (recorded in "
+            "docs/compatibility-results.json) and a second one from scratch passed."]
 
 
 def _rows(rows: list[Status], results: dict[str, Any], refusals: dict[str, int]) -> list[str]:
@@ -109,7 +110,7 @@ def _verdict(status: Status, results: dict[str, Any], refusals: dict[str, int]) 
     for kind in ("cpu", "gpu"):
         record = recorded.get(kind, {})
         if record.get("result") == "verified":
-            kinds.append(kind.upper())
+            kinds.append(kind.upper() + (" (2nd try)" if "retried_after" in record else ""))
         elif record.get("result") == "refused":
             kinds.append(f"{kind.upper()}: refused (" + ", ".join(str(refusals[m]) for m in record["why"]) + ")")
     return " + ".join(kinds) or "not verified"
