@@ -69,7 +69,8 @@ LAYOUT = (
     (RESOLVED_RECIPE, "the resolved recipe for people, secrets as `***` (docs/security.md)"),
     (METRICS, "one JSON object per logged step (rank 0), appended by every launch"),
     (SUMMARY, "final loss, samples/s, eval, checkpoint, per-rank parameter digests (written at the end)"),
-    (FATAL, "a failure no restart can fix (NaN, full disk): restarts stop; cleared by the next launch"),
+    (FATAL, "a failure no restart can fix (NaN, full disk, out of memory): restarts stop; cleared by the next "
+            "launch"),
     (FATAL_RESERVED, "the fatal marker's space, allocated by each launch so a rank can write it on a full disk"),
     (LOCK, "the launch that runs here now (removed when it ends)"),
     (f"{CHECKPOINTS}/step-00000050/", "one checkpoint per saved step (see below)"),

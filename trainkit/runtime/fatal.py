@@ -1,8 +1,10 @@
 """The fatal marker (RUN_DIR/fatal.json): the last attempt failed in a way a restart only repeats.
 
 Why a file: torchrun's agent restarts the workers on its own, without asking the launcher, so the
-restarted ranks must learn from the run directory that a NaN or a full disk ended the previous
-attempt, and stop at once instead of redoing the work (docs/running.md). A new `trainkit run` is a
+restarted ranks must learn from the run directory that a NaN, a full disk or an out-of-memory
+(docs/memory.md: the rank's own MemoryError / CUDA OOM, or the launcher's finding that the OOM killer
+ended a rank) ended the previous attempt, and stop at once instead of redoing the work
+(docs/running.md). A new `trainkit run` is a
 deliberate retry and clears the marker.
 """
 
