@@ -152,3 +152,27 @@ def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_re
 
     assert main(["report", str(run_dir)]) == 1  # a failed run: no bottleneck report, but why it failed
     assert "Out of memory" in capsys.readouterr().out
+
+
+def test_activations_too_big_for_any_host_get_checkpointing_and_accumulation_as_advice(tmp_path, capsys):
+    """Guards the activation trace and its advice: a ResNet-18 at micro-batch 8192 on 224x224 images
+    saves far more for backward than any host has (traced on the meta device, nothing allocated), so
+    `trainkit plan` says it will not fit and lists activation checkpointing and a smaller micro-batch
+    with more accumulation (the same global batch), each with its figure, the latter fitting; the
+    doctor's memory check fails naming the one that fits."""
+    from trainkit.cli import main
+
+    recipe = mlp_recipe(tmp_path, "wide", model={"name": "torchvision.resnet18", "args": {"num_classes": 4}},
+                        data={"shape": [3, 224, 224], "batch_size": 8192, "num_samples": 16384})
+    assert main(["plan", str(recipe)]) == 0
+    plan = capsys.readouterr().out
+    assert "WILL NOT FIT" in plan, plan
+    figure = lambda line: float(line.split(": ")[1].split(" GiB")[0])  # noqa: E731
+    predicted = float(plan.split("memory per rank: ")[1].split(" GiB")[0])
+    checkpointing = next(line for line in plan.splitlines() if "performance.activation_checkpointing=full" in line)
+    assert figure(checkpointing) < 0.8 * predicted, checkpointing  # the stem's activations stay (not a block)
+    smaller = next(line for line in plan.splitlines() if "data.batch_size=" in line and "(fits)" in line)
+    batch, accum = smaller.split("data.batch_size=")[1].split(",")[0], smaller.split("grad_accum_steps=")[1].split(":")[0]
+    assert int(batch) * int(accum) == 8192, smaller  # the same global batch
+    assert main(["doctor", str(recipe)]) == 1
+    assert f"data.batch_size={batch}" in capsys.readouterr().out
