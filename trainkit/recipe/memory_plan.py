@@ -25,7 +25,9 @@ GiB = 1 << 30
 FP32 = 4
 LOW_PRECISION = {"bf16": 2, "fp16": 2}  # bytes per element in the training precision (fp32 otherwise)
 OPTIMIZER_TENSORS = {"adam": 2, "adamw": 2}  # fp32 state tensors per parameter (SGD: its momentum, if any)
-RUNTIME_BYTES = {"cpu": 560 * MiB, "cuda": 600 * MiB}  # a rank before the model: measured (docs/memory.md)
+# a rank before its model: on the CPU measured (docs/benchmarks.md, "Memory plan"); on CUDA the context's
+# typical size (not measured on this project's machines yet)
+RUNTIME_BYTES = {"cpu": 560 * MiB, "cuda": 600 * MiB}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +145,7 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     parts = [
         Part("parameters", P * stored // L.parameters, offloaded_params,
              f"{P:,} x {stored} B / {L.parameters}"),
-        Part("gradients", P * stored // L.gradients, offloaded_state if L.offload_optimizer else "device",
+        Part("gradients", P * stored // L.gradients, offloaded_state,
              f"{P:,} x {stored} B / {L.gradients}"),
     ]
     if L.master_copy:
@@ -171,7 +173,7 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     parts.append(Part("runtime", RUNTIME_BYTES.get(s.device_type, RUNTIME_BYTES["cpu"]) + L.runtime_bytes,
                       "host" if s.device_type == "cpu" else "device",
                       "the process before the model (measured)" if s.device_type == "cpu" else
-                      "CUDA context and kernels (measured)"))
+                      "CUDA context and kernels (a typical figure)"))
     return MemoryPlan(s, tuple(parts))
 
 

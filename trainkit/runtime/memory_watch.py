@@ -70,6 +70,8 @@ def start(run_dir: Path, rank: int, device) -> None:
     """Begin this rank's record (phase `build`); on CUDA also the allocator history an OOM dumps."""
     global _watch
     cuda = device if getattr(device, "type", "cpu") == "cuda" else None
+    if _watch is not None:  # an earlier in-process run (world size 1) of this process
+        os.close(_watch.fd)
     _watch = _Watch(run_dir, rank, cuda)
     if cuda is not None:
         import torch
