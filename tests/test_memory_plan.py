@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,3 +177,23 @@ def test_activations_too_big_for_any_host_get_checkpointing_and_accumulation_as_
     assert int(batch) * int(accum) == 8192, smaller  # the same global batch
     assert main(["doctor", str(recipe)]) == 1
     assert f"data.batch_size={batch}" in capsys.readouterr().out
+
+
+def test_an_allocation_refused_under_an_address_space_limit_is_reported_as_out_of_memory(tmp_path):
+    """Guards the rank's own OOM report: under `ulimit -v` (RLIMIT_AS, set with prlimit) torch's CPU
+    allocator refuses the model's parameters (a RuntimeError, "DefaultCPUAllocator: can't allocate
+    memory") while it builds the model or fills the optimizer state at step 1 (which one depends on
+    the process's virtual size); the run says out of memory on rank 0 during that phase, with the
+    limit, and leaves the fatal marker (no restart repeats it)."""
+    recipe = mlp_recipe(tmp_path, "as", model={"name": "mlp", "args": {"in_features": 4096, "hidden": 4096,
+                                                                        "depth": 6, "num_classes": 4}},
+                        data={"shape": [4096]}, optimizer={"name": "adamw", "lr": 1e-3},
+                        launch={"nproc_per_node": 1}, trainer={"max_steps": 2})
+    proc = subprocess.run(["prlimit", f"--as={5 * 10**9}", sys.executable, "-m", "trainkit.cli", "run", str(recipe)],
+                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 1, report
+    assert re.search(r"out of memory on rank 0 during (build|step 1): peak [0-9.]+ GiB of 4\.66 GiB \(the "
+                     r"address-space limit", report) and "can't allocate memory" in report, report
+    assert "memory plan: predicted" in report, report
+    assert "OutOfMemory" in (tmp_path / "runs" / "as" / "fatal.json").read_text()

@@ -351,7 +351,7 @@ def _run_in_process(run_dir: Path, launch_dir: Path, redact=str, delivering: boo
     except worker.StopRequested as stop:
         return _stopped(stop.signum, run_dir, launch_dir)
     except Exception as exc:
-        reason = redact(f"training failed: {type(exc).__name__}: {exc}")
+        reason = redact(f"training failed: {type(exc).__name__}: {exc}{oom.in_process_note(run_dir)}")
         print(f"trainkit: {reason}", file=sys.stderr)
         return 1, reason
     finally:

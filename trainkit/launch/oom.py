@@ -138,3 +138,16 @@ def report_lines(run_dir: Path) -> list[str]:
                      f"https://pytorch.org/memory_viz")
     lines.append("\n`trainkit plan RECIPE` shows the memory plan and what would fit (docs/memory.md).\n")
     return lines
+
+
+def in_process_note(run_dir: Path) -> str:
+    """For the world-size-1 worker that ran in the launcher: the plan's advice after its own OOM."""
+    from ..recipe import RecipeError, resolve
+    from ..run_dir import RECIPE, read_fatal
+
+    if not is_out_of_memory(read_fatal(run_dir)):
+        return ""
+    try:
+        return "\n" + advice(resolve(Path(run_dir) / RECIPE).recipe)
+    except RecipeError:
+        return ""

@@ -95,7 +95,14 @@ def limit() -> Limit:
 
 
 def process_limit() -> tuple[int, str]:
-    """The most this process can ever hold, for a rank's report: its cgroup's limit, else MemTotal."""
+    """The most this process can ever hold, for a rank's report: an address-space limit (`ulimit -v`:
+    virtual memory, which a torch process has GiBs more of than it has resident), else its cgroup's
+    limit, else MemTotal."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        return soft, "the address-space limit of ulimit -v: virtual memory"
     cgroup = cgroup_limit_and_usage()
     if cgroup is not None:
         return cgroup[1], f"the memory cgroup's limit ({cgroup[0]})"

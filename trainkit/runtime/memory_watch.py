@@ -88,8 +88,13 @@ def phase(name: str) -> None:
         _watch.phase(name)
 
 
+CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's CPU OOM: a RuntimeError
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
+    """Python's MemoryError, torch's CUDA OutOfMemoryError, or torch's CPU allocator refused (under an
+    address-space limit, `ulimit -v`, or strict overcommit), which torch raises as a RuntimeError."""
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and CPU_ALLOCATOR_FAILED in str(exc)):
         return True
     try:
         import torch
