@@ -5,11 +5,12 @@ backward) ends at a barrier that waits for every thread of the pool. A world-siz
 the launcher process, beside the launcher's MLflow delivery thread (SQL, HTTP, spool files: Python
 work in bursts, more of it the more often the run logs). When that thread takes one of the cores,
 the pool thread it displaced is descheduled and every parallel region waits a scheduler time slice
-(milliseconds) for it: a 26k-parameter MLP's 1.7 ms step became 20-150 ms, most of it in
-`run_backward`, so a run with `log_every: 1` was 15x slower than with `log_every: 10` on 2 cores
-(docs/benchmarks.md, "One process: log_every 1 vs 10"). Leaving the delivery thread a core of its
-own removes the wait; under torchrun the workers are processes of their own and torchrun's agent
-already divides the cores among them (OMP_NUM_THREADS = cores / processes per node).
+(milliseconds) for it. Measured on 2 shared cores with a 26k-parameter MLP, `log_every: 1`, 440
+steps (docs/benchmarks.md, "One process: log_every 1 vs 10"): 15x the steps of `log_every: 10`; in
+cProfile, `run_backward` 8.2 s, `linear` 5.4 s and AdamW's `sqrt` 3.5 s with a 2-thread pool, 0.14,
+0.03 and 0.01 s with one thread. Leaving the delivery thread a core of its own removes the wait;
+under torchrun the workers are processes of their own and the launcher already divides the cores
+among them (OMP_NUM_THREADS = cores / processes per node).
 
 `OMP_NUM_THREADS`, when set, is the user's choice and is kept.
 """
