@@ -5,7 +5,8 @@ backward) ends at a barrier that waits for every thread of the pool. A world-siz
 the launcher process, beside the launcher's MLflow delivery thread (SQL, HTTP, spool files: Python
 work in bursts, more of it the more often the run logs). When that thread takes one of the cores,
 the pool thread it displaced is descheduled and every parallel region waits a scheduler time slice
-(milliseconds) for it. Measured on 2 shared cores with a 26k-parameter MLP, `log_every: 1`, 440
+(milliseconds) for it; another process on the machine does the same, and a pool of one thread has
+no barrier to wait at. Measured on 2 shared cores with a 26k-parameter MLP, `log_every: 1`, 440
 steps (docs/benchmarks.md, "One process: log_every 1 vs 10"): 15x the steps of `log_every: 10`; in
 cProfile, `run_backward` 8.2 s, `linear` 5.4 s and AdamW's `sqrt` 3.5 s with a 2-thread pool, 0.14,
 0.03 and 0.01 s with one thread. Leaving the delivery thread a core of its own removes the wait;
