@@ -73,8 +73,8 @@ def _intro(results: dict[str, Any]) -> list[str]:
             *[f"| {p} | {tol:g} | {why} |" for p, (tol, why) in TOLERANCE.items()], "",
             f"A model with BatchNorm (resnet18) is held to its precision's tolerance at step 1 and to "
             f"{LATER_STEPS_WITH_BATCHNORM:g} after it: BatchNorm over 4 samples of 1x1 maps amplifies "
-            "any change of summation order from step to step (measured in fp32: 6e-7 at step 1, 8.6e-3 at "
-            "step 2 for FSDP with channels_last; 1.4e-2 at step 3 with compile).", "",
+            "any change of summation order from step to step (measured in fp32 on 8x8 images: 6e-7 at step "
+            "1, 8.6e-3 at step 2 for FSDP with channels_last; 1.4e-2 at step 3 with compile).", "",
             "Not compared: bf16 cells of " + ", ".join(sorted(BF16_PARAMETERS)) + " with a BatchNorm model "
             "(DeepSpeed trains bf16 parameters, not autocast, and keeps BatchNorm statistics in bf16; over "
             "BatchNorm of 4 samples the difference to the autocast reference is not a rounding tolerance): "
