@@ -238,15 +238,16 @@ def _write_report(run_dir: Path, hang: Hang) -> Path:
     return path
 
 
-def flight_recorder_env(run_dir: Path, environ) -> dict:
-    """NCCL's Flight Recorder for the workers (torchtitan's docs/debugging.md): a ring of the last
-    collectives, dumped into RUN_DIR/reports/ when a collective times out (analyse the dumps with torch's
-    `python -m torch.distributed.flight_recorder.fr_trace`). Gloo ignores these variables; a value
-    already in the environment wins. Untested here: no GPU in the test suite."""
-    prefix = str(report_path(run_dir, NCCL_TRACE))
+def flight_recorder_env(run_dir: Path, environ, backend: str) -> dict:
+    """Under NCCL, torch's Flight Recorder for the workers (torchtitan's docs/debugging.md): a ring of
+    the last collectives, dumped into RUN_DIR/reports/nccl-trace-rank<R> when a collective times out
+    (analyse the dumps with `python -m torch.distributed.flight_recorder.fr_trace`). A value already in
+    the environment wins. Untested here: the test suite has no GPU."""
+    if backend != "nccl":
+        return {}
     report_path(run_dir, "").mkdir(parents=True, exist_ok=True)
-    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-              "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    wanted = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_FR_DUMP_TEMP_FILE": str(report_path(run_dir, NCCL_TRACE))}
     return {k: v for k, v in wanted.items() if k not in environ}
 
 

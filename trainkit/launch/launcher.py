@@ -33,6 +33,7 @@ from ..recipe.schema import Recipe
 from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
                        LAUNCH_ID_VAR, TRACKING, clear_fatal, read_fatal, read_summary, summary_path, write_json)
 from ..runtime import preflight
+from ..runtime.accelerator import accelerator_for
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
 from . import failures, hang_watch, oom, rendezvous_store
@@ -371,6 +372,7 @@ def _torchrun_command(recipe: Recipe, run_dir: Path, rendezvous: Optional[rendez
 def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
                   rendezvous: Optional[rendezvous_store.Rendezvous] = None) -> tuple[int, str]:
     """torchrun's agent in this process; `redact` masks secrets in the failure report it prints."""
+    import torch
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -381,7 +383,8 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     if rendezvous is not None and rendezvous.gloo_interface:  # gloo's pair sockets stay on loopback too
         os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous.gloo_interface)
     kills_before = oom.kills_now()  # a rank the OOM killer ends is an out-of-memory failure, not a restart
-    os.environ.update(hang_watch.flight_recorder_env(run_dir, os.environ))  # NCCL: its own record of a hang
+    backend = accelerator_for(recipe, cuda_available=torch.cuda.is_available()).backend
+    os.environ.update(hang_watch.flight_recorder_env(run_dir, os.environ, backend))  # NCCL's own record of a hang
     watch = hang_watch.HangWatch(run_dir, recipe.launch.hang_timeout_s, recipe.launch.timeout_s)
     announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
                                           fatal_marker=lambda: oom.marker_or_kill(run_dir, kills_before,
