@@ -23,13 +23,14 @@ MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"model": {"name": "mlp", "args": {"in_features": 48, "hidden": 32, "num_classes": 4, "depth": 3}},
             "data": {"name": "synthetic", "shape": [3, 4, 4], "num_classes": 4, "batch_size": 4,
                      "num_samples": 64}},
-    # 16x16, not smaller: on 8x8 images layer3's stride-2 3x3 convolutions see 1x1 maps, and the CPU's bf16
-    # weight gradient of the taps that see only padding came back uninitialised now and then (torch 2.14.1,
-    # oneDNN; those taps never touch the output, but trainkit's non-finite check stopped the run)
+    # 64x64, not smaller: below it a stride-2 3x3 convolution of layer3/layer4 meets a 1x1 or 2x2 map, some
+    # of its taps see only padding, and the CPU's bf16 weight gradient of those taps came back non-finite
+    # now and then (torch 2.14.1; on 8x8 and 16x16 images, reproduced in plain torch on 8x8): the taps never
+    # touch the output, but trainkit's non-finite check stopped the run
     "resnet18": {"statistics_per_rank": True,  # BatchNorm: each rank normalises over its own samples
                  "model": {"name": "torchvision.resnet18", "args": {"num_classes": 4}},
                  "optimizer": {"lr": 0.002},  # a random-init ResNet at batch 4 blows up at 0.05
-                 "data": {"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "batch_size": 4,
+                 "data": {"name": "synthetic", "shape": [3, 64, 64], "num_classes": 4, "batch_size": 4,
                           "num_samples": 64}},
     "transformer": {"model": {"name": "transformer", "args": {"vocab_size": 320, "dim": 32, "layers": 2,
                                                               "heads": 2, "seq_len": 16}},
