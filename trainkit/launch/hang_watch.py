@@ -141,7 +141,9 @@ class HangWatch:
             except OSError:
                 continue
             record = read(path)
-            if record and record.get("host") == socket.gethostname() and record.get("pid") not in self.ended and _alive(int(record.get("pid", 0))):
+            if not record or record.get("host") != socket.gethostname():  # another node's rank: its launcher's
+                continue
+            if record.get("pid") not in self.ended and _alive(int(record.get("pid", 0))):
                 found.append(record)
         return sorted(found, key=lambda r: r["rank"])
 
@@ -155,8 +157,10 @@ class HangWatch:
                 if seen != last_seen:
                     last_seen, changed_at = seen, now
                     continue
-                limit = self.timeout_s or default_timeout(
-                    self.collective_timeout_s, max((r.get("slowest_step_s") or 0.0) for r in records) if records else 0.0)
+                slowest = max(((r.get("slowest_step_s") or 0.0) for r in records), default=0.0)
+                if self.timeout_s is None and not slowest:
+                    continue  # the default needs a timed step (a first step may compile or autotune for long)
+                limit = self.timeout_s or default_timeout(self.collective_timeout_s, slowest)
                 if records and now - changed_at >= limit:
                     self._declare(records, now - changed_at, limit)
                     last_seen, changed_at = None, time.monotonic()
