@@ -34,7 +34,10 @@ class _Record:
         path = rank_progress_path(run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.rank, self.pid, self.host = rank, os.getpid(), socket.gethostname()
+        self.rank, self.pid = rank, os.getpid()
+        # the JSON record, formatted without json.dumps on the hot path (phase names are plain words)
+        self.template = (f'{{"rank": {rank}, "pid": {self.pid}, "host": {json.dumps(socket.gethostname())}, '
+                         f'"step": %d, "phase": "%s", "at": %.3f, "slowest_step_s": %.4f}}')
         self.step, self.step_started, self.slowest_step_s = 0, time.monotonic(), 0.0
         self.stacks = open(rank_stacks_path(run_dir, rank), "w")  # kept open: faulthandler writes to its fd
         faulthandler.register(STACKS_SIGNAL, file=self.stacks, all_threads=True, chain=False)
@@ -45,9 +48,7 @@ class _Record:
             if self.step:
                 self.slowest_step_s = max(self.slowest_step_s, now - self.step_started)
             self.step, self.step_started = step, now
-        record = {"rank": self.rank, "pid": self.pid, "host": self.host, "step": step, "phase": name, "at": time.time(),
-                  "slowest_step_s": round(self.slowest_step_s, 4)}
-        data = json.dumps(record).encode()[:RECORD_BYTES]
+        data = (self.template % (step, name, time.time(), self.slowest_step_s)).encode()[:RECORD_BYTES]
         try:
             os.pwrite(self.fd, data + b" " * (RECORD_BYTES - len(data)), 0)  # JSON then spaces: one JSON value
         except OSError:  # a full disk: the hang watch is the lesser loss
