@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..run_dir import HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, rank_stacks_path, report_path, write_fatal
-from ..runtime.progress_record import PHASES, STACKS_SIGNAL, read
+from ..runtime.progress_record import END, PHASES, STACKS_SIGNAL, read
 
 POLL_S = 0.5
 STACKS_WAIT_S = 3.0  # how long the ranks get to dump their stacks
@@ -142,6 +142,8 @@ class HangWatch:
                 continue
             record = read(path)
             if not record or record.get("host") != socket.gethostname():  # another node's rank: its launcher's
+                continue
+            if record.get("phase") == END:  # past its training loop (start-up and shutdown are not watched)
                 continue
             if record.get("pid") not in self.ended and _alive(int(record.get("pid", 0))):
                 found.append(record)

@@ -338,6 +338,7 @@ class Loop:
             wall.train_s += time.perf_counter() - i0 - side
             wall.steps += 1
         wall.loop_end = time.time()
+        progress_record.phase(self.state.step, progress_record.END)
         if self.progress:
             self.progress.close()
         elapsed = time.perf_counter() - t0

@@ -27,6 +27,7 @@ from ..run_dir import rank_progress_path, rank_stacks_path
 RECORD_BYTES = 256
 STACKS_SIGNAL = signal.SIGUSR1
 PHASES = ("data", "forward", "backward", "optimizer", "eval", "checkpoint")  # in the order a step runs them
+END = "end"  # the loop is over: the summary, reports and shutdown are not watched
 
 
 class _Record:
