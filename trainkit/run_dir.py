@@ -68,7 +68,9 @@ LAYOUT = (
              "unresolved: each worker resolves them from its environment"),
     (RESOLVED_RECIPE, "the resolved recipe for people, secrets as `***` (docs/security.md)"),
     (METRICS, "one JSON object per logged step (rank 0), appended by every launch"),
-    (SUMMARY, "final loss, samples/s, eval, checkpoint, per-rank parameter digests (written at the end)"),
+    (SUMMARY, "final loss, samples/s, eval, checkpoint, per-rank parameter digests (written at the end); two "
+              "durations: `loop_s`, the training loop's seconds (samples/s is measured over them), and "
+              "`wall_times.wall_s`, this launch's process from start to the report (startup and shutdown included)"),
     (FATAL, "a failure no restart can fix (NaN, full disk, out of memory): restarts stop; cleared by the next "
             "launch"),
     (FATAL_RESERVED, "the fatal marker's space, allocated by each launch so a rank can write it on a full disk"),
