@@ -21,7 +21,7 @@ import yaml
 
 from run_helpers import env_for
 from trainkit.recipe.compatibility.grid import LM_DATA, MODELS, STEPS, WORLD, Cell, tolerance
-from trainkit.recipe.compatibility import declared_cells
+from trainkit.recipe.compatibility import declared_cells, statuses
 from trainkit.recipe.compatibility.page import RESULTS, load_results
 
 RUNNER = "trainkit.runtime.cell_runner"
@@ -161,10 +161,10 @@ def record(outcomes: list[Outcome], failures: dict, *, kind: str, device: str, c
     """Write each passing cell's outcome on this `kind` of device to docs/compatibility-results.json."""
     results = load_results()
     stamp = {"device": device, "date": datetime.date.today().isoformat(), "command": command}
-    declared = {cell.id for cell in declared_cells()}
+    accepted = {s.cell.id for s in statuses(declared_cells()) if not s.refused}
     ran = {o.cell.id for o in outcomes}
-    for cell in list(results):  # cells run again, or no longer declared, lose this kind's record
-        if cell in ran or cell not in declared:
+    for cell in list(results):  # cells run again, or no longer declared or accepted, lose this kind's record
+        if cell in ran or cell not in accepted:
             results[cell].pop(kind, None)
     for o in outcomes:
         if o.cell.id not in failures:

@@ -8,6 +8,11 @@ step within its precision's tolerance of the reference run (grid.TOLERANCE says 
 resumed from its step-2 checkpoint redoing step 3 with the same loss, and its final checkpoint
 consolidated by `trainkit export`'s function loading strict into the plain model.
 
+The combinations issue 26 found crashing on a ResNet-18 (once tests/test_combinations.py, a launch
+each) are cells here: FSDP bf16 with and without cpu_offload, ZeRO-1 bf16, ZeRO-3 with seeded init
+and the traced pipeline in bf16 in the core grid; FSDP with channels_last and FSDP with compile as
+declared regressions (grid.REGRESSIONS).
+
 With TRAINKIT_GRID_RECORD=1 the verified cells are written to docs/compatibility-results.json (then
 regenerate docs/compatibility.md: `python -m trainkit.recipe.compatibility --markdown`).
 """

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Iterator, Literal
 from pydantic import Field, PositiveInt
 
 from .base import Finding
-from .strategy import Capabilities, MemoryLayout, ParallelDims, StrategyOptions
+from .strategy import SYNC_BATCHNORM_NEEDS_DDP, Capabilities, MemoryLayout, ParallelDims, StrategyOptions
 
 
 class PipelineOptions(StrategyOptions):
@@ -28,7 +28,13 @@ class PipelineOptions(StrategyOptions):
     def capabilities(self) -> Capabilities:
         # stage files follow the stage count, which is the world size: no resharding on load
         # no fp16 loss scaling across stages: fp16 is refused by `validate` (the precision rule)
-        return Capabilities(splits_model=True, reshards_on_load=False, precisions=frozenset({"fp32", "bf16"}))
+        # channels_last: a traced ResNet's stage sent its NHWC activation and torch's P2P send refused it
+        # ("input tensor has to be contiguous"; found by the compatibility grid)
+        return Capabilities(splits_model=True, reshards_on_load=False, precisions=frozenset({"fp32", "bf16"}),
+                            unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "channels_last": (
+                                "torch.distributed.pipelining sends activations between stages with P2P send/recv, "
+                                "which need contiguous tensors, and a channels_last activation is not; set it to "
+                                "false (or use ddp, fsdp or deepspeed for channels_last)")})
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(dp_replicate=self.data_parallel, pp=max(1, world_size // self.data_parallel))
