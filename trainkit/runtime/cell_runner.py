@@ -33,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
+from ..run_dir import CHECKPOINTS, METRICS, RECIPE
+
 RESULT = "cell-result.json"
 
 
@@ -64,7 +66,7 @@ def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = Fa
         if _rank() == 0:
             (run_dir / RESULT).write_text(json.dumps(result, indent=1))
             if not keep_checkpoints:  # a grid of ResNets writes gigabytes of them otherwise
-                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+                shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
 
 class _Refused(Exception):
@@ -78,7 +80,7 @@ def _refused_here(run_dir: Path) -> list[str]:
     from ..recipe import resolve
     from .preflight import check
 
-    return [f"{p.path}: {p.message}" for p in check(resolve(run_dir / "recipe.yaml")) if p.severity == "error"]
+    return [f"{p.path}: {p.message}" for p in check(resolve(run_dir / RECIPE)) if p.severity == "error"]
 
 
 def _rank() -> int:
@@ -91,12 +93,12 @@ def _train(run_dir: Path) -> dict[int, float]:
     from ..recipe import resolve
     from .worker import train
 
-    resolved = resolve(run_dir / "recipe.yaml")
+    resolved = resolve(run_dir / RECIPE)
     dist.barrier()  # rank 0 has set the checkpoints up for this pass
     train(run_dir, resolved.recipe, resolved.redacted(), _device())
     if _rank() != 0:
         return {}
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
@@ -116,13 +118,13 @@ def _start_over(run_dir: Path) -> None:
 
     dist.barrier()
     if _rank() == 0:
-        for name in ("checkpoints", "metrics.jsonl"):
+        for name in (CHECKPOINTS, METRICS):
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
-    return sorted(p for p in (run_dir / "checkpoints").iterdir() if p.is_dir() and p.name.startswith("step-"))
+    return sorted(p for p in (run_dir / CHECKPOINTS).iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
 def _drop_last_checkpoint(run_dir: Path) -> str:
@@ -141,7 +143,7 @@ def _export(run_dir: Path) -> dict:
     from .export import consolidated_state_dict
     from .model import build_model
 
-    recipe = resolve(run_dir / "recipe.yaml").recipe
+    recipe = resolve(run_dir / RECIPE).recipe
     folder = _checkpoints(run_dir)[-1]
     strategy, state = consolidated_state_dict(folder)
     model = build_model(recipe.model)
