@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import Result, env_for, mlp_recipe, trainkit
+from run_helpers import Result, env_for, mlp_recipe, trainkit, wait_for
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -83,16 +83,6 @@ def test_plan_shows_memory_and_a_run_that_cannot_fit_is_refused_naming_what_fits
     assert not (tmp_path / "runs" / "big" / "logs").exists()  # nothing started
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 HOG = """
 import os, sys, time
 open('/proc/self/oom_score_adj', 'w').write('-1000')  # never the OOM killer's choice: a rank is
@@ -123,7 +113,7 @@ def test_a_rank_killed_by_the_oom_killer_is_reported_as_out_of_memory_without_re
         hog = None
         try:
             rank_records = [run_dir / "live" / f"memory-rank{r}.json" for r in (0, 1)]
-            _wait_for(lambda: all(p.is_file() and '"step' in p.read_text() for p in rank_records), 120,
+            wait_for(lambda: all(p.is_file() and '"step' in p.read_text() for p in rank_records), 120,
                       "both ranks to train")
             for record in rank_records:  # the ranks are the OOM killer's first choice, not the launcher
                 Path(f"/proc/{json.loads(record.read_text())['pid']}/oom_score_adj").write_text("1000")

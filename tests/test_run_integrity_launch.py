@@ -17,7 +17,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from run_helpers import env_for, mlp_recipe, trainkit
+from run_helpers import env_for, mlp_recipe, trainkit, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -51,16 +51,6 @@ def workers_of(where: Path) -> list[psutil.Process]:
         if "trainkit.runtime.worker" in cmd and str(where) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(p)
     return found
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def the_run(uri: str, experiment: str = "integrity"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import urllib.request
 import pytest
 
 from browser import CHROMIUM, Browser
-from run_helpers import env_for, free_port, mlp_recipe, trainkit
+from run_helpers import env_for, free_port, mlp_recipe, stop_mlflow_server, trainkit
 from trainkit.tracking.browse import ui_link
 
 def wait_until_serving(base: str, server: subprocess.Popen) -> None:
@@ -64,12 +63,7 @@ def ui(tmp_path_factory):
         yield {"tmp": tmp, "base": base, "uri": uri, "experiment": experiment.experiment_id, "run": run,
                "run_dir": tmp / "runs" / "ui-demo"}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_mlflow_server(server)
 
 
 GENAI_VIEW = ("Observability", "Detect Issues")  # the GenAI overview's side navigation and its call to action
