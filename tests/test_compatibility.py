@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,11 @@ def test_every_cell_validate_accepts_trains_follows_its_reference_resumes_and_ex
                command="TRAINKIT_GRID_RECORD=1 pytest tests/test_compatibility.py")
     assert not failures, json.dumps(failures, indent=1)[-20000:]
     assert len(outcomes) >= 150
+    # a cell that stopped once and passed from scratch (grid_runs' retry: the bf16 small-map case, issue 26)
+    # passes, but never silently: CI's warnings summary names it
+    retried = {o.cell.id: o.result["retried_after"] for o in outcomes if "retried_after" in o.result}
+    if retried:
+        warnings.warn(f"cells that passed only on a second try from scratch: {json.dumps(retried)[:4000]}")
 
 
 @pytest.mark.distributed
