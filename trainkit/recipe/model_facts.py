@@ -1,5 +1,5 @@
-"""What the rules know about a model before it is built: its longest sequence, its vocabulary and
-whether the pipeline can split it.
+"""What the rules know about a model before it is built: its longest sequence, its vocabulary,
+whether the pipeline can split it and whether tensor parallel can.
 
 A model plugin declares these, light (no torch), as an object in the `trainkit.model_facts`
 entry-point group under its model's name; `facts_for` finds them. A model without facts (torchvision,
@@ -34,6 +34,13 @@ class ModelFacts:
             LookupError: the args name something the library does not know (message for the user).
         """
         return None, self.max_positions(args)
+
+    def tensor_parallel_refusal(self, tp: int, args: dict) -> Optional[str]:
+        """Why the model built from `args` cannot be split over `tp` tensor-parallel ranks, or None if it can
+        (validate; no imports). `args`: the recipe's model.args (heads and widths must divide by tp)."""
+        return (f"the model declares no tensor-parallel plan, so it cannot be split over tp {tp} ranks; use "
+                f"parallel.tp: 1, or a model whose plugin declares one (a `tensor_parallel_plan()` method on the "
+                f"module and model facts whose `tensor_parallel_refusal` accepts tp; docs/plugins.md)")
 
 
 @lru_cache(maxsize=None)

@@ -21,6 +21,8 @@ from .blocks import (
     LaunchOptions,
     ModelSpec,
     OptimizerOptions,
+    ParallelDims,
+    ParallelOptions,
     PerformanceOptions,
     PluginBlock,
     SchedulerOptions,
@@ -44,6 +46,9 @@ class Recipe(Block):
                       description="what is learned: classification (default), causal_lm, or a task plugin")
     data: Any
     strategy: Any
+    parallel: Optional[ParallelOptions] = Field(
+        default=None, description="the device mesh: degrees of dp_replicate, dp_shard, tp, pp (absent: the "
+                                  "strategy lays the world out itself)")
     precision: Precision = Field(default="fp32", description="fp32 | fp16 (with loss scaling) | bf16")
     optimizer: Annotated[OptimizerOptions, Field(discriminator="name")] = Field(
         default_factory=lambda: SGDOptions(name="sgd", lr=0.1))
@@ -62,12 +67,19 @@ class Recipe(Block):
             return None  # elastic: known only at rendezvous
         return self.launch.nproc_per_node * nnodes
 
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """How `world_size` ranks are laid out: the `parallel:` block's degrees when given, else the
+        strategy's own layout. Everything that needs the layout (global batch, plan, runtime) asks this."""
+        if self.parallel is not None:
+            return self.parallel.dims(world_size)
+        return self.strategy.parallel_dims(world_size)
+
     @property
     def data_parallel_size(self) -> Optional[int]:
         ws = self.world_size
         if ws is None:
             return None
-        return self.strategy.data_parallel_size(ws)
+        return self.parallel_dims(ws).dp
 
     @property
     def global_batch(self) -> Optional[int]:

@@ -13,6 +13,7 @@ Strategy, dataset, task and monitor blocks are plugins: each is a pydantic model
 | `task:` | `tasks.py` |
 | `strategy:` base: capabilities, parallel dims, rules, plan lines, knobs | `strategy.py` |
 | each strategy's options | `ddp.py`, `fsdp.py`, `pipeline.py`, `deepspeed.py` |
+| `parallel:` (the device mesh) | `parallel.py` |
 | `monitors:` | `monitors.py` |
 | optimizer, scheduler, trainer, launch, performance, tracking | `training.py` |
 
@@ -30,6 +31,7 @@ from .model import ModelSpec
 from .monitors import (BreakdownMonitorOptions, GpuMonitorOptions, MemoryMonitorOptions, MonitorOptions,
                        ProfilerMonitorOptions, PrometheusMonitorOptions, StragglersMonitorOptions,
                        SystemMonitorOptions, TensorBoardMonitorOptions, ThroughputMonitorOptions)
+from .parallel import ParallelOptions
 from .pipeline import PipelineOptions
 from .strategy import Capabilities, ParallelDims, StrategyOptions
 from .tasks import CausalLMTaskOptions, ClassificationTaskOptions, TaskOptions
@@ -63,6 +65,7 @@ __all__ = [
     "MonitorOptions",
     "OptimizerOptions",
     "ParallelDims",
+    "ParallelOptions",
     "PerformanceOptions",
     "PipelineOptions",
     "PluginBlock",

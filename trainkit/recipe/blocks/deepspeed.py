@@ -42,9 +42,12 @@ class DeepSpeedOptions(StrategyOptions):
         # ZeRO partitions are per rank (DeepSpeed's universal checkpoint is not used): no resharding on load.
         # The engine owns the optimizer step and fp16 loss scaling (ds_config's fp16.loss_scale).
         # host memory: retain fragments the heap around DeepSpeed's flat buffers (bench).
+        # mesh: one data-parallel dimension, the one `parallel_dims` lays the world out on (ZeRO 1-3
+        # partition over every rank: dp_shard; ZeRO 0 replicates); DeepSpeed builds its own groups.
         return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True,
                             owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release",
-                            contiguous_parameters=True)
+                            contiguous_parameters=True, mesh_dims=frozenset(
+                                {"dp_replicate" if self.zero_stage == 0 else "dp_shard"}))
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         if self.zero_stage == 0:

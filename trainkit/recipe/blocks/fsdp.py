@@ -29,7 +29,7 @@ class FSDPOptions(StrategyOptions):
         # over CPU tensors, which nccl cannot carry (torchtitan adds cpu:gloo for its CPU offload too).
         # host memory: retain fragments the heap around FSDP's buffers (peak RSS 2x, bench).
         return Capabilities(shards_parameters=True, cpu_collectives=self.cpu_offload, host_memory_on_cpu="release",
-                            contiguous_parameters=True,
+                            contiguous_parameters=True, mesh_dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
                             unsupported_performance={"sync_batchnorm": (
                                 "FSDP2 does not synchronise BatchNorm buffers through SyncBatchNorm's process "
                                 "group; set it to false, or use strategy ddp")})

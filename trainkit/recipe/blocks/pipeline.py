@@ -31,6 +31,7 @@ class PipelineOptions(StrategyOptions):
         # channels_last: a traced ResNet's stage sent its NHWC activation and torch's P2P send refused it
         # ("input tensor has to be contiguous"; found by the compatibility grid)
         return Capabilities(splits_model=True, reshards_on_load=False, precisions=frozenset({"fp32", "bf16"}),
+                            mesh_dims=frozenset({"pp", "dp_replicate"}),
                             unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "channels_last": (
                                 "torch.distributed.pipelining sends activations between stages with P2P send/recv, "
                                 "which need contiguous tensors, and a channels_last activation is not; set it to "

@@ -7,7 +7,7 @@ size behind every global-batch figure), its cross-field rules, its lines in `tra
 its `trainkit tune` knobs. Everything else asks these, never `strategy.name`, so a plugin that
 subclasses a built-in strategy inherits all of it (Lightning Fabric's strategies keep working under
 `isinstance` the same way). `ParallelDims` follows torchtitan's: one object that knows the degrees
-of each parallel dimension, ready for tensor parallel and hybrid sharding to be added as fields.
+of each parallel dimension; a recipe's `parallel:` block (blocks/parallel.py) may give them instead.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from .base import Finding, PluginBlock
 from .knobs import Knob
 
 PRECISIONS = frozenset({"fp32", "fp16", "bf16"})
+# the mesh's dimensions in torchtitan's order, the order of `init_device_mesh` and of the rank layout
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,11 +30,13 @@ class ParallelDims:
 
     dp_replicate: ranks holding the same parameters and reading different data (DDP, pipeline replicas).
     dp_shard: ranks sharding the parameters and reading different data (FSDP, ZeRO).
+    tp: tensor-parallel ranks, splitting every layer (they read the same data).
     pp: pipeline stages, ranks of one pipeline (they read the same data).
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    tp: int = 1
     pp: int = 1
 
     @property
@@ -42,7 +46,11 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.tp * self.pp
+
+    def degrees(self) -> dict[str, int]:
+        """Each mesh dimension's degree, in mesh order (`MESH_DIMS`)."""
+        return {d: getattr(self, d) for d in MESH_DIMS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +72,7 @@ class Capabilities:
     host_memory_on_cpu: `performance.host_allocator: auto` on the CPU, measured per strategy
         (bench/strategies_memory.py): "retain" or "release".
     precisions: the `precision` values it trains in.
+    mesh_dims: the mesh dimensions (`MESH_DIMS`) a `parallel:` block may give a degree above 1.
     unsupported_performance: performance option -> why this strategy cannot apply it, with the fix.
     """
 
@@ -77,6 +86,7 @@ class Capabilities:
     contiguous_parameters: bool = False
     host_memory_on_cpu: str = "retain"
     precisions: frozenset = PRECISIONS
+    mesh_dims: frozenset = frozenset({"dp_replicate"})
     unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
 
 
