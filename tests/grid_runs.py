@@ -63,6 +63,21 @@ def run_grid(folder: Path, cells: list[Cell], *, timeout: float, device_env: Opt
     return [Outcome(cell, _result(run_dir), _result(ref_dir) if ref_dir else None) for cell, run_dir, ref_dir in plan]
 
 
+def run_alone(folder: Path, cells: list[Cell], *, timeout: float, device_env: Optional[dict] = None) -> list[Outcome]:
+    """Train `cells` each in one process (world size 1: a machine with one GPU) and check each on its
+    own -- finite losses, no divergence, exact resume, export -- without a reference: one process
+    exercises the device's kernels, precisions and options, not the collectives. Compile cells run
+    last (each one compiles for tens of seconds), so a timeout cuts them first."""
+    _write_corpus(folder)
+    cells = sorted(cells, key=lambda c: (c.option == "compile", list(MODELS).index(c.model)))
+    plan = [(cell, _write_run(folder / "cells" / cell.recipe()["name"],
+                              {**cell.recipe(), "launch": {**cell.recipe()["launch"], "nproc_per_node": 1}}))
+            for cell in cells]
+    # DeepSpeed reads LOCAL_RANK, which only torchrun sets (a world of one runs without it)
+    _launch_all(folder, {1: [run_dir for _, run_dir in plan]}, timeout, {"LOCAL_RANK": "0", **(device_env or {})})
+    return [Outcome(cell, _result(run_dir), None) for cell, run_dir in plan]
+
+
 def _comparable(recipe: dict) -> dict:
     return {k: v for k, v in recipe.items() if k != "name"}
 

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from grid_runs import problems_of, record, run_grid
+from grid_runs import problems_of, record, run_alone, run_grid
 from run_helpers import mlp_recipe, trainkit
 from trainkit.recipe.compatibility import declared_cells, statuses
 
@@ -138,6 +138,23 @@ def test_the_compatibility_grid_on_cuda_with_nccl(tmp_path):
     if os.environ.get("TRAINKIT_GRID_RECORD"):
         record(outcomes, failures, kind="gpu", device=f"{torch.cuda.get_device_name()} x2, nccl",
                command="TRAINKIT_GRID_RECORD=1 pytest -m gpu tests/test_gpu.py")
+    assert not failures, json.dumps(failures, indent=1)[-20000:]
+
+
+@needs_cuda
+def test_the_compatibility_grid_on_one_cuda_device(tmp_path):
+    """Every accepted cell that does not split the model, in one process on one GPU: the CUDA kernels,
+    autocast, loss scaling, FSDP/ZeRO on a CUDA device, compile through Triton, channels_last -- train,
+    resume exactly and export, or a clear preflight refusal (no reference: one process checks the
+    device, the 2-GPU test above checks the collectives). TRAINKIT_GRID_RECORD=1 records the outcomes
+    as docs/compatibility.md's `gpu-1` kind; TRAINKIT_GRID_TIMEOUT_S bounds the launch (the cells not
+    reached then fail as "no result")."""
+    cells = [s.cell for s in statuses(declared_cells()) if not s.refused and not s.cell.strategy.startswith("pipeline")]
+    outcomes = run_alone(tmp_path, cells, timeout=float(os.environ.get("TRAINKIT_GRID_TIMEOUT_S", 3000)))
+    failures = {o.cell.id: why for o in outcomes if (why := problems_of(o))}
+    if os.environ.get("TRAINKIT_GRID_RECORD"):
+        record(outcomes, failures, kind="gpu-1", device=f"{torch.cuda.get_device_name()} x1, torch {torch.__version__}",
+               command="TRAINKIT_GRID_RECORD=1 pytest -m gpu tests/test_gpu.py -k one_cuda_device")
     assert not failures, json.dumps(failures, indent=1)[-20000:]
 
 
