@@ -8,6 +8,7 @@ not kept for backward), so the run starts, and the rank meets torch.OutOfMemoryE
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,9 @@ def test_cuda_oom_is_explained_with_a_memory_snapshot_that_report_points_to(tmp_
     reports/cuda-oom-rank0.pickle and `trainkit report` names that file."""
     recipe = mlp_recipe(tmp_path, "cuda-oom", model={"name": "test_memory_oom_gpu:hungry_mlp", "args": {}},
                         launch={"nproc_per_node": 1, "backend": "nccl"}, trainer={"max_steps": 3})
-    result = trainkit(tmp_path, "run", str(recipe), PYTHONPATH=str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)  # the model factory lives in this file
+    result = trainkit(tmp_path, "run", str(recipe),
+                      PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p))
     assert result.returncode != 0, result.output
     assert "out of memory on rank 0 during step 1" in result.output and "OutOfMemoryError" in result.output, \
         result.output
