@@ -18,6 +18,10 @@ class ModelFacts:
     """Defaults: nothing known, and the model may be split into pipeline stages."""
 
     splits_into_stages = True  # an nn.Sequential of blocks that the pipeline splits at module names
+    # not an nn.Sequential: the pipeline traces it and cuts it only at strategy.split_points (validate refuses
+    # a pipeline that names none, instead of preflight at run time); a module to cut at, for the message
+    needs_split_points = False
+    split_point_example = ""
     # every parameter-owning layer has reset_parameters() (what `model.init: seeded` runs); "" if so,
     # else why not and what to use
     not_seedable = ""
@@ -52,7 +56,7 @@ def facts_for(model_name: str) -> ModelFacts:
     """The facts a model plugin declares (ModelFacts() when it declares none or they fail to load)."""
     ep = _declared().get(model_name)
     if ep is None:
-        return ModelFacts()
+        return TorchvisionFacts(model_name) if TorchvisionFacts.describes(model_name) else ModelFacts()
     try:
         facts = ep.load()
     except Exception:  # a broken third-party declaration must not break validation of other recipes
@@ -71,6 +75,22 @@ class TransformerFacts(ModelFacts):
 
     def vocab_and_positions(self, args: dict) -> tuple[Optional[int], Optional[int]]:
         return args.get("vocab_size"), args.get("seq_len", 512)
+
+
+class TorchvisionFacts(ModelFacts):
+    """torchvision.<name>: a classification model that is not an nn.Sequential (ResNet, ViT, ...), so the
+    pipeline traces it and needs split points."""
+
+    needs_split_points = True
+
+    def __init__(self, model_name: str) -> None:
+        short = model_name.partition(".")[2]
+        self.split_point_example = "layer3" if short.startswith(("resnet", "resnext", "wide_resnet")) else ""
+
+    @staticmethod
+    def describes(model_name: str) -> bool:
+        """Whether `model_name` is written `torchvision.<name>` (the resolver's form for these models)."""
+        return model_name.startswith("torchvision.") and ":" not in model_name
 
 
 MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")

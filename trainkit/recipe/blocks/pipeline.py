@@ -3,10 +3,11 @@ trainkit.strategies.pipeline)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterator, Literal
+from typing import Any, ClassVar, Iterator, Literal, Optional
 
 from pydantic import Field, PositiveInt
 
+from ..model_facts import facts_for
 from .base import Finding
 from .strategy import SYNC_BATCHNORM_NEEDS_DDP, Capabilities, MemoryLayout, ParallelDims, StrategyOptions
 
@@ -73,6 +74,11 @@ class PipelineOptions(StrategyOptions):
             return
         ranks = None if ws is None else ws // s.data_parallel  # ranks per pipeline
         per = f" (world size {ws} / data_parallel {s.data_parallel})" if s.data_parallel > 1 else " (the world size)"
+        facts = facts_for(r.model.name)
+        if facts.needs_split_points and not s.split_points:
+            yield ("strategy", "split_points"), (
+                f"the pipeline traces {r.model.name} (not an nn.Sequential) and cuts it only at named split points; "
+                + _split_points_fix(ranks, facts.split_point_example))
         if s.schedule == "interleaved_1f1b" and ranks is not None and s.split_points \
                 and (len(s.split_points) + 1) % ranks:
             yield ("strategy", "split_points"), (
@@ -84,3 +90,13 @@ class PipelineOptions(StrategyOptions):
                 f"{len(s.split_points)} split points make {len(s.split_points) + 1} stages, but a pipeline has "
                 f"{ranks} ranks{per}, one stage per rank; use {ranks - 1} split points or change "
                 f"launch.nproc_per_node")
+
+
+def _split_points_fix(ranks: Optional[int], example: str) -> str:
+    """What to write instead of no split points, for `ranks` ranks per pipeline (None: unknown)."""
+    if ranks == 1:
+        return ("with one rank per pipeline there is nothing to cut: use ddp, fsdp or deepspeed for data "
+                "parallelism alone, or give each pipeline more ranks and name split points")
+    count = "the module names" if ranks is None else f"{ranks - 1} module name" + ("s" if ranks > 2 else "")
+    return (f"set strategy.split_points to {count} where a new stage begins, in forward order"
+            + (f" (e.g. [{example}] for 2 stages)" if example else ""))
