@@ -16,6 +16,8 @@ faults never leak into another's run.
 - TRAINKIT_FAULT_HANG="rank=1,step=4,where=backward,how=sleep": that rank stops making progress in that
   optimizer step, in its forward (where=forward) or its backward (where=backward, a gradient hook), by
   sleeping for an hour (how=sleep) or by sending itself SIGSTOP (how=stop); on every attempt.
+  where=data: that rank's DataLoader worker sleeps for an hour in the dataset's __getitem__ of the
+  first sample of that step's batch (needs data.num_workers 1 and grad_accum_steps 1).
 - TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step
   (",where=input": its input is +inf instead, so a BatchNorm sees it).
 - TRAINKIT_FAULT_RECORD_SAMPLES=DIR: every rank records a hash of each training sample it sees.
@@ -84,6 +86,7 @@ def attach(loop_cls) -> None:
 
     def run_with_faults(self):
         self.step_hooks = [*self.step_hooks, *install(model=self.model, rank=self.strategy.rank)]
+        install_loader_hang(loader=self.train_loader, rank=self.strategy.rank)
         return run(self)
 
     loop_cls.run = run_with_faults
@@ -155,6 +158,8 @@ def install_hang(*, model, rank: int) -> list:
     import signal
 
     fields = _fields(spec)
+    if fields.get("where") == "data":
+        return []  # install_loader_hang
     at, current = int(fields["step"]), [1]
 
     def hang(*_) -> None:
@@ -179,6 +184,31 @@ def install_hang(*, model, rank: int) -> list:
         current[0] = step + 1
 
     return [advance]
+
+
+def install_loader_hang(*, loader, rank: int) -> None:
+    """TRAINKIT_FAULT_HANG with where=data (see the module's docstring): the dataset's class is patched
+    before the loader forks its worker, which counts the samples it serves."""
+    spec = os.environ.get("TRAINKIT_FAULT_HANG")
+    fields = _fields(spec or "")
+    if fields.get("where") != "data" or int(fields.get("rank", -1)) != rank:
+        return
+    from torch.utils.data import get_worker_info
+
+    first = (int(fields["step"]) - 1) * loader.batch_size + 1  # the first sample of that step's batch
+    cls, served = type(loader.dataset), [0]
+    getitem = cls.__getitem__
+
+    def hanging_getitem(self, index):
+        if get_worker_info() is not None:
+            served[0] += 1
+            if served[0] == first:
+                print(f"trainkit: TRAINKIT_FAULT_HANG: rank {rank}'s loader worker hangs in step {fields['step']}",
+                      file=sys.stderr, flush=True)
+                time.sleep(3600)
+        return getitem(self, index)
+
+    cls.__getitem__ = hanging_getitem
 
 
 def install_fsdp_probe(*, model, rank: int) -> list:

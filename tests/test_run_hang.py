@@ -96,3 +96,33 @@ def test_a_rank_sleeping_in_backward_is_named_and_the_same_hang_twice_stops_rest
     assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"
     run, artifacts = _mlflow_run(tmp_path, "sleeper")
     assert run.info.status == "FAILED" and "reports/hang.md" in artifacts, (run.info.status, artifacts)
+
+
+def test_a_rank_whose_loader_worker_is_stuck_is_named_as_waiting_for_its_data(tmp_path):
+    """Guards the data phase of the report: rank 1's DataLoader worker (num_workers 1) sleeps in
+    __getitem__ for the batch of step 6. Before, the report showed only rank 1's main thread waiting in
+    torch's queue: nothing said why or where the data was. Now hang.md names rank 1 behind at step 6,
+    data, waiting for its data loader, with the worker's own stacks (faulthandler, registered by the
+    loader's worker_init_fn) down to the stuck __getitem__; nothing is left running, the step-4
+    checkpoint is intact."""
+    recipe = mlp_recipe(tmp_path, "loader", trainer={"max_steps": 40, "log_every": 2,
+                                                      "checkpoint": {"every": 4, "keep": 2}},
+                        data={"num_workers": 1},
+                        launch={"nproc_per_node": 2, "timeout_s": COLLECTIVE_TIMEOUT_S,
+                                "hang_timeout_s": HANG_TIMEOUT_S})
+    started = time.monotonic()
+    result = trainkit(tmp_path, "run", str(recipe), timeout=COLLECTIVE_TIMEOUT_S + 60,
+                      TRAINKIT_FAULT_HANG="rank=1,step=6,where=data")
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.output
+    assert took < COLLECTIVE_TIMEOUT_S, f"{took:.0f} s: the collective timeout, not the hang watch, ended the run"
+    run_dir = tmp_path / "runs" / "loader"
+    report = (run_dir / "reports" / "hang.md").read_text()
+    assert report.startswith("# Hang: rank 1 is behind at step 6, data"), report
+    assert "it waits for its data loader: a loader worker is in" in report and "hanging_getitem" in report, report
+    assert "### Rank 1's DataLoader worker (pid" in report, report
+    worker_section = report.split("### Rank 1's DataLoader worker", 1)[1]
+    assert "fault_injection.py" in worker_section and "_worker_loop" in worker_section, worker_section
+    assert "rank 1 (pid" in result.stderr and "hung at step 6, data" in result.stderr, result.output
+    assert not _left_running(tmp_path)
+    assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"

@@ -56,6 +56,7 @@ CUDA_OOM_SNAPSHOT = "cuda-oom-rank{rank}.pickle"  # the allocator's history when
 RANK_MEMORY = "memory-rank{rank}.json"  # each rank's phase, peak memory and limit (the OOM report reads it)
 RANK_PROGRESS = "progress-rank{rank}.json"  # each rank's step and phase, rewritten in place (the hang watch)
 RANK_STACKS = "stacks-rank{rank}.txt"  # each rank's Python stacks, dumped on SIGUSR1 (the hang report)
+LOADER_STACKS = "stacks-rank{rank}-loader-{pid}.txt"  # a rank's DataLoader worker's stacks, on SIGUSR1 too
 HANG = "hang.md"  # RUN_DIR/reports/: which rank was behind, where each rank was, their stacks
 NCCL_TRACE = "nccl-trace-rank"  # RUN_DIR/reports/ prefix of NCCL's Flight Recorder dumps (rank appended)
 
@@ -258,6 +259,11 @@ def rank_progress_path(run_dir: Path, rank: int) -> Path:
 
 def rank_stacks_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / LIVE / RANK_STACKS.format(rank=rank)
+
+
+def loader_stacks_path(run_dir: Path, rank: int, pid) -> Path:
+    """A DataLoader worker's stacks file; pid "*" globs every worker of that rank."""
+    return Path(run_dir) / LIVE / LOADER_STACKS.format(rank=rank, pid=pid)
 
 
 # --------------------------------------------------------------------------- launches/<timestamp>/

@@ -7,7 +7,9 @@ Why in the launcher, from files: a hung rank cannot report itself, and the other
 collective. Each rank rewrites its step and phase in place (`trainkit.runtime.progress_record`);
 this thread reads those records, and on a hang asks each rank for its stacks with SIGUSR1
 (faulthandler answers from its C signal handler). A SIGSTOPped rank cannot answer: its
-/proc/<pid>/status State (T) and wchan are what the report shows. The same hang twice (the rank
+/proc/<pid>/status State (T) and wchan are what the report shows. A rank waiting for its data
+(phase data) is shown with its DataLoader workers' stacks (they answer SIGUSR1 too, into their own
+files: `progress_record.loader_worker_started`). The same hang twice (the rank
 behind at the same step and phase) leaves the fatal marker: restarts stop, as for a NaN.
 """
 
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..run_dir import HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, rank_stacks_path, report_path, write_fatal
+from ..run_dir import (HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, loader_stacks_path, rank_stacks_path, report_path,
+                       write_fatal)
 from ..runtime.progress_record import END, PHASES, STACKS_SIGNAL, read
 
 POLL_S = 0.5
@@ -31,6 +34,8 @@ STACKS_WAIT_S = 3.0  # how long the ranks get to dump their stacks
 STEP_MULTIPLE = 10  # the default timeout: this many times the slowest step seen ...
 FLOOR_S = 120.0  # ... and at least this (or half the collective timeout, when that is shorter)
 TORCH_PACKAGE = os.sep + "torch" + os.sep
+LOADER_WORKER_LOOP = os.path.join("torch", "utils", "data", "_utils", "worker.py")  # a loader worker's main
+DATA = "data"  # the phase of a rank waiting for its next batch
 HANG_TAG = "trainkit.hang"
 
 
@@ -52,6 +57,7 @@ class Rank:
     wchan: str = ""
     stacks: str = ""
     innermost: str = ""  # the main thread's innermost frame
+    loader_stacks: dict = field(default_factory=dict)  # its DataLoader workers' stacks, by pid
 
     @property
     def number(self) -> int:
@@ -71,6 +77,14 @@ class Rank:
 
     def waits_in_torch(self) -> bool:
         return TORCH_PACKAGE in self.innermost
+
+    def waits_for_data(self) -> str:
+        """Why, when this rank is in phase data: its loader worker's innermost frame, or ''."""
+        if self.record.get("phase") != DATA:
+            return ""
+        frames = [_innermost_frame(stacks, LOADER_WORKER_LOOP) for stacks in self.loader_stacks.values()]
+        stuck = next((f.strip() for f in frames if f and TORCH_PACKAGE not in f), "")
+        return "it waits for its data loader" + (f": a loader worker is in {stuck}" if stuck else "")
 
 
 @dataclass
@@ -175,9 +189,12 @@ class HangWatch:
         for rank in ranks:
             rank.state, rank.wchan = _process_state(int(rank.record["pid"]))
             rank_stacks_path(self.run_dir, rank.number).write_text("")  # this hang's stacks only
+        workers = {rank.number: _loader_workers(self.run_dir, rank) for rank in ranks if not rank.stopped}
         for rank in ranks:
             if not rank.stopped:
                 _signal(int(rank.record["pid"]), STACKS_SIGNAL)
+                for pid in workers[rank.number]:
+                    _signal(pid, STACKS_SIGNAL)
         deadline = time.monotonic() + STACKS_WAIT_S
         while time.monotonic() < deadline and not all(_stacks(self.run_dir, r) for r in ranks if not r.stopped):
             time.sleep(0.1)
@@ -185,7 +202,10 @@ class HangWatch:
         for rank in ranks:
             rank.stacks = "" if rank.stopped else _stacks(self.run_dir, rank)
             rank.innermost = _innermost_frame(rank.stacks)
+            rank.loader_stacks = {pid: _read(path) for pid, path in workers.get(rank.number, {}).items()}
         behind, why = _behind(ranks)
+        if behind.waits_for_data():
+            why = f"{why}; {behind.waits_for_data()}"
         hang = Hang(ranks, behind, why, silent_s, timeout_s)
         hang.repeated = hang.key() == self.previous
         self.previous = hang.key()
@@ -238,6 +258,9 @@ def _write_report(run_dir: Path, hang: Hang) -> Path:
                          f"cannot answer SIGUSR1.")
         else:
             lines += ["```", r.stacks.rstrip() or "(no answer to SIGUSR1 within the wait)", "```"]
+        for pid, stacks in r.loader_stacks.items():
+            lines += ["", f"### Rank {r.number}'s DataLoader worker (pid {pid})", "",
+                      "```", stacks.rstrip() or "(no answer to SIGUSR1 within the wait)", "```"]
     path = report_path(run_dir, HANG)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -296,16 +319,39 @@ def _signal(pid: int, signum: int) -> None:
 
 
 def _stacks(run_dir: Path, rank: Rank) -> str:
+    return _read(rank_stacks_path(run_dir, rank.number))
+
+
+def _read(path: Path) -> str:
     try:
-        return rank_stacks_path(run_dir, rank.number).read_text(errors="replace")
+        return path.read_text(errors="replace")
     except OSError:
         return ""
 
 
-def _innermost_frame(stacks: str) -> str:
-    """The first frame of the thread that runs the worker's main (faulthandler's dump)."""
+def _loader_workers(run_dir: Path, rank: Rank) -> dict[int, Path]:
+    """The rank's live DataLoader workers that answer SIGUSR1 (each made its stacks file), by pid."""
+    found = {}
+    for path in loader_stacks_path(run_dir, rank.number, "*").parent.glob(
+            loader_stacks_path(run_dir, rank.number, "*").name):
+        pid = int(path.stem.rsplit("-", 1)[1])
+        if _alive(pid) and _parent(pid) == int(rank.record["pid"]):
+            found[pid] = path
+    return found
+
+
+def _parent(pid: int) -> int:
+    try:  # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _innermost_frame(stacks: str, main: str = "trainkit" + os.sep + "runtime" + os.sep + "worker.py") -> str:
+    """The first frame of the thread whose stack holds `main` (faulthandler's dump): by default the
+    thread that runs the worker's main."""
     for block in stacks.split("\n\n"):
         frames = [line for line in block.splitlines() if line.strip().startswith("File ")]
-        if any("trainkit" + os.sep + "runtime" + os.sep + "worker.py" in f for f in frames):
+        if any(main in f for f in frames):
             return frames[0]
     return ""

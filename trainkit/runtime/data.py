@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from .. import registry
 from ..recipe.pickle_check import SafeUnpickler, UnsafePickle
 from ..recipe.blocks import IMAGE_EXTENSIONS, Cifar10Data, DataOptions, ImageFolderData, SyntheticData, scan_imagefolder
+from . import progress_record
 from .parent_watch import die_with_parent
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -206,8 +207,10 @@ def eval_subset_size(batch_size: int, eval_steps: int, data_parallel_size: int) 
 
 def _loader_worker_init(parent_pid: int, worker_id: int) -> None:
     """DataLoader workers die with their rank at once (torch's own watchdog notices only when the
-    worker next waits for work, which a worker stuck reading a file never does)."""
+    worker next waits for work, which a worker stuck reading a file never does); each answers SIGUSR1
+    with its stacks, for a hang report (runtime.progress_record)."""
     die_with_parent(parent_pid)
+    progress_record.loader_worker_started()
 
 
 def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size: int, seed: int,

@@ -8,7 +8,10 @@ fixed-size record to a file opened once: a few microseconds, no fsync.
 
 Stacks: `faulthandler` dumps every thread's Python stack into RUN_DIR/live/stacks-rank<R>.txt on
 SIGUSR1, from its C signal handler, so a rank blocked inside a collective (no GIL, no Python
-running) still answers. A rank stopped by SIGSTOP cannot: the hang report says so.
+running) still answers. A rank stopped by SIGSTOP cannot: the hang report says so. Its DataLoader
+workers (other processes) each dump into RUN_DIR/live/stacks-rank<R>-loader-<pid>.txt
+(`loader_worker_started`, from the loader's worker_init_fn), so a rank waiting for its data shows
+where its worker is stuck.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..run_dir import rank_progress_path, rank_stacks_path
+from ..run_dir import loader_stacks_path, rank_progress_path, rank_stacks_path
 
 RECORD_BYTES = 256
 STACKS_SIGNAL = signal.SIGUSR1
@@ -35,7 +38,7 @@ class _Record:
         path = rank_progress_path(run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.rank, self.pid = rank, os.getpid()
+        self.run_dir, self.rank, self.pid = run_dir, rank, os.getpid()
         # the JSON record, formatted without json.dumps on the hot path (phase names are plain words)
         self.template = (f'{{"rank": {rank}, "pid": {self.pid}, "host": {json.dumps(socket.gethostname())}, '
                          f'"step": %d, "phase": "%s", "at": %.3f, "slowest_step_s": %.4f}}')
@@ -63,6 +66,16 @@ def start(run_dir: Path, rank: int) -> None:
     """Begin this rank's record and answer SIGUSR1 with its stacks."""
     global _record
     _record = _Record(run_dir, rank)
+
+
+def loader_worker_started() -> None:
+    """In a DataLoader worker of a recording rank: answer SIGUSR1 with this worker's stacks in its own
+    file (the fork inherited the rank's handler, which would write into the rank's file)."""
+    if _record is None:
+        return
+    stacks = open(loader_stacks_path(_record.run_dir, _record.rank, os.getpid()), "w")
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
+    _record.loader_stacks = stacks  # kept open for faulthandler's fd
 
 
 def phase(step: int, name: str) -> None:
