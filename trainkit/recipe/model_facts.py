@@ -42,9 +42,9 @@ class ModelFacts:
     def tensor_parallel_refusal(self, tp: int, args: dict) -> Optional[str]:
         """Why the model built from `args` cannot be split over `tp` tensor-parallel ranks, or None if it can
         (validate; no imports). `args`: the recipe's model.args (heads and widths must divide by tp)."""
-        return (f"the model declares no tensor-parallel plan, so it cannot be split over tp {tp} ranks; use "
-                f"parallel.tp: 1, or a model whose plugin declares one (a `tensor_parallel_plan()` method on the "
-                f"module and model facts whose `tensor_parallel_refusal` accepts tp; docs/plugins.md)")
+        return ("it declares no tensor-parallel plan; use parallel.tp: 1, or a model whose plugin declares one "
+                "(a `tensor_parallel_plan()` method on the module, and model facts whose `tensor_parallel_refusal` "
+                "accepts the tp; docs/plugins.md)")
 
 
 @lru_cache(maxsize=None)

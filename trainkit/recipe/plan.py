@@ -9,6 +9,7 @@ import yaml
 
 from .. import cluster, registry
 from .launch_plan import torchrun_command
+from .mesh_layout import degrees_text, mesh_lines
 from .resolver import Resolved
 
 
@@ -31,6 +32,7 @@ def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str], mem
     lines.append(f"world size:      {ws if ws is not None else 'elastic ' + str(r.launch.nnodes) + ' nodes'}"
                  f"  ({r.launch.nproc_per_node} per node x {r.launch.nnodes} node(s))")
     lines += r.strategy.plan_lines(r)
+    lines += _mesh_lines(r)
     gb = r.global_batch
     lines.append(f"global batch:    {gb if gb is not None else '?'}  (batch_size {r.data.batch_size} x "
                  f"data-parallel {r.data_parallel_size} x grad_accum_steps {r.trainer.grad_accum_steps})")
@@ -61,6 +63,17 @@ def memory_lines(verdict) -> list[str]:
         head = "what would fit" if any(a.fits for a in verdict.advice) else "nothing single fits here; closest"
         lines += [f"  {head} (predicted per rank):", *[f"  {line}" for line in verdict.advice_lines()]]
     return lines
+
+
+def _mesh_lines(r) -> list[str]:
+    """The `parallel:` block's mesh: degrees and rank groups (nothing without the block, so a recipe
+    without one plans as before); an elastic launch knows its world size only at rendezvous."""
+    if r.parallel is None:
+        return []
+    if r.world_size is None:
+        return [f"mesh:            {degrees_text(r.parallel.degrees())} (-1 inferred from the world size at "
+                f"rendezvous; groups as init_device_mesh lays them out)"]
+    return mesh_lines(r.parallel_dims(r.world_size))
 
 
 def _launch_lines(r) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from . import paths
+from . import mesh_rules, paths
 from .model_facts import facts_for
 from .blocks import Finding
 from .schema import Recipe
@@ -60,6 +60,12 @@ def plugin_blocks_own_rules(r: Recipe) -> Iterator[Finding]:
     that subclasses a built-in inherits them)."""
     yield from r.strategy.rules(r)
     yield from r.data.rules(r)
+
+
+@rule
+def mesh_fits_the_world_the_strategy_and_the_model(r: Recipe) -> Iterator[Finding]:
+    """The `parallel:` block's rules (trainkit.recipe.mesh_rules)."""
+    yield from mesh_rules.findings(r)
 
 
 @rule

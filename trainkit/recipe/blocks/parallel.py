@@ -8,9 +8,10 @@ strategy lays the world out as it always has (`StrategyOptions.parallel_dims`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .base import Block
 from .strategy import MESH_DIMS, ParallelDims
@@ -25,25 +26,36 @@ class ParallelOptions(Block):
                                                      "data (DDP, HSDP's replicate dimension, pipeline replicas); "
                                                      "-1: inferred")
     dp_shard: int = Field(default=INFERRED, description="ranks sharding the parameters, each reading its own data "
-                                                        "(FSDP, ZeRO); -1: inferred from the world size")
+                                                        "(FSDP, ZeRO); -1: inferred from the world size (the "
+                                                        "default, unless another dimension is -1: then 1)")
     tp: int = Field(default=1, description="tensor-parallel ranks splitting every layer (DTensor); they read the "
                                            "same data; the model must declare a tensor-parallel plan; -1: inferred")
     pp: int = Field(default=1, description="pipeline stages (strategy pipeline); they read the same data; "
                                            "-1: inferred")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _shard_unless_another_is_inferred(cls, data: Any) -> Any:
+        """dp_shard's default -1 gives way when the user puts the -1 on another dimension ({tp: -1} means
+        dp_shard 1), so that only -1s the user wrote can collide."""
+        if isinstance(data, dict) and "dp_shard" not in data and INFERRED in data.values():
+            return {**data, "dp_shard": 1}
+        return data
+
     @field_validator("dp_replicate", "dp_shard", "tp", "pp")
     @classmethod
     def _positive_or_inferred(cls, value: int) -> int:
         if value < 1 and value != INFERRED:
-            raise ValueError(f"a degree is a whole number >= 1, or -1 to infer it from the world size (got {value})")
+            raise PydanticCustomError("mesh_degree", "a degree is a whole number >= 1, or -1 to infer it from the "
+                                                     "world size")
         return value
 
     @model_validator(mode="after")
     def _one_inferred(self) -> "ParallelOptions":
         inferred = [d for d in MESH_DIMS if getattr(self, d) == INFERRED]
         if len(inferred) > 1:
-            raise ValueError(f"at most one dimension may be -1 (inferred), got {' and '.join(inferred)}; "
-                             f"give all but one of them a number")
+            raise PydanticCustomError("mesh_inferred", "at most one dimension may be -1 (inferred), got {dims}; give "
+                                                       "all but one of them a number", {"dims": " and ".join(inferred)})
         return self
 
     def degrees(self) -> dict[str, int]:

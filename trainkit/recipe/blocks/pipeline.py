@@ -56,6 +56,7 @@ class PipelineOptions(StrategyOptions):
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         s, r = self, recipe
+        yield from self._agrees_with_the_mesh(r)
         if r.data.batch_size % s.microbatches:
             yield ("strategy", "microbatches"), (
                 f"data.batch_size {r.data.batch_size} is not divisible by strategy.microbatches {s.microbatches}; "
@@ -90,6 +91,20 @@ class PipelineOptions(StrategyOptions):
                 f"{len(s.split_points)} split points make {len(s.split_points) + 1} stages, but a pipeline has "
                 f"{ranks} ranks{per}, one stage per rank; use {ranks - 1} split points or change "
                 f"launch.nproc_per_node")
+
+    def _agrees_with_the_mesh(self, r: Any) -> Iterator[Finding]:
+        """A `parallel:` block's dp_replicate and this strategy's data_parallel are the same number (the
+        pipeline replicas): the two must agree, as the component lays its mesh out from data_parallel."""
+        if r.parallel is None:
+            return
+        replicas = r.parallel.dp_replicate
+        if replicas == -1:
+            replicas = r.parallel_dims(r.world_size).dp_replicate if r.world_size else None
+        if replicas is not None and replicas != self.data_parallel:
+            yield ("strategy", "data_parallel"), (
+                f"strategy.data_parallel {self.data_parallel} and parallel.dp_replicate {replicas} disagree: both "
+                f"count the pipeline replicas; set strategy.data_parallel: {replicas}, or leave the parallel "
+                f"block out")
 
 
 def _split_points_fix(ranks: Optional[int], example: str) -> str:
