@@ -105,6 +105,10 @@ class ThroughputMonitor(Monitor):
     def on_run_start(self) -> None:
         if self.ctx.rank == 0 or self.per_rank_flops:
             self.flops = count_step_flops(self.ctx.recipe, self.ctx.strategy)
+            if self.flops and not self.per_rank_flops:
+                # the ranks of one data-parallel group (tensor parallel) split its model's work: each
+                # rank's share, so MFU is per rank as on a plain data-parallel run
+                self.flops /= self.ctx.strategy.ranks_per_batch
             if self.flops:
                 self.ctx.facts["flops_per_microbatch"] = self.flops
 

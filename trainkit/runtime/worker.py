@@ -42,6 +42,7 @@ from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
+from .mesh import build_mesh
 from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
@@ -98,7 +99,9 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     strategy_cls = registry.component(recipe.strategy)
     precision = Precision(recipe.precision, device, recipe.trainer.loss_scale,
                           scaler=not recipe.strategy.capabilities().owns_loss_scaling)  # DeepSpeed scales the loss itself
-    strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe)
+    dims = recipe.parallel_dims(dist.get_world_size())
+    strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe, dims=dims,
+                            mesh=build_mesh(dims, device.type))
     model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
     model = prepare_model(model, recipe.performance,  # SyncBatchNorm, channels_last: before wrapping
                           contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.materialize import materialize, parameters_on_meta
+from ..runtime.mesh import data_parallel_coordinate
 
 
 def replicated_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,12 +59,17 @@ class Strategy:
         precision: the run's `runtime.precision.Precision` (autocast, loss scaling).
         recipe: the whole resolved recipe, for strategies that need batch sizes, accumulation or
             clipping at construction (DeepSpeed builds its config from them).
+        dims: the run's `ParallelDims` (`recipe.parallel_dims(world_size)`); None: plain data
+            parallel over the world.
+        mesh: the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh built from `dims`
+            (runtime.mesh.build_mesh); None without a process group.
     """
 
     comm_timer = None  # a runtime.timing.CommTimer, set before setup() when a monitor measures communication
 
-    def __init__(self, options, *, device: torch.device, precision=None, recipe=None):
+    def __init__(self, options, *, device: torch.device, precision=None, recipe=None, dims=None, mesh=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
+        self.dims, self.device_mesh = dims, mesh
 
     # ---- what the strategy declares (its options class: recipe.blocks.strategy.Capabilities)
     @property
@@ -99,13 +105,33 @@ class Strategy:
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which shard of the data this rank reads (ranks with the same value read the same batches)."""
-        return self.rank
+        """Which shard of the data this rank reads (ranks with the same value read the same batches:
+        the tensor-parallel and pipeline ranks of one data-parallel group)."""
+        if self.device_mesh is None:
+            return self.rank
+        return data_parallel_coordinate(self.device_mesh)[0]
 
     @property
     def data_parallel_size(self) -> int:
         """How many different batches one micro-step consumes across the job."""
-        return self.world_size
+        if self.device_mesh is None:
+            return self.world_size
+        return data_parallel_coordinate(self.device_mesh)[1]
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """How many ranks read each batch (tp x pp): one data-parallel group's loss and evaluation sums
+        are held that many times, so the job's values are reduced over the data-parallel ranks only."""
+        return self.world_size // self.data_parallel_size
+
+    def data_parallel_group(self):
+        """The process group of the ranks that read different batches with this one (the mesh's
+        ("dp_replicate", "dp_shard") sub-mesh, flattened); None: the whole world."""
+        if self.ranks_per_batch == 1:
+            return None
+        if getattr(self, "_dp_group", None) is None:
+            self._dp_group = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        return self._dp_group
 
     # ---- build
     def empty_init(self) -> ContextManager:
@@ -165,7 +191,11 @@ class Strategy:
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss as the whole job sees it (mean over data-parallel ranks), elementwise: the
         loop passes the losses of all steps since the last log step as one vector."""
-        return self.all_reduce_mean(loss)
+        if self.ranks_per_batch == 1:
+            return self.all_reduce_mean(loss)
+        out = loss.detach().clone().float()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.data_parallel_group())
+        return out / self.data_parallel_size
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a tensor over all ranks (a copy; the input is unchanged)."""
@@ -182,9 +212,11 @@ class Strategy:
         return out
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """A per-batch count or sum over the job: summed over the data-parallel ranks (the ranks of one
+        tensor-parallel group hold the same value once)."""
         out = value.detach().clone()
         if self.world_size > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.data_parallel_group())
         return out
 
     def barrier(self) -> None:

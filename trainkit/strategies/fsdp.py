@@ -22,6 +22,7 @@ from ..runtime.materialize import check_seedable, has_meta_parameters, owners, s
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
 from .base import Strategy, replicated_buffers
+from .tensor_parallel import apply_tensor_parallel, full_tensor, loss_context
 
 def blocks_to_wrap(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     """The modules sharded as units: `runtime.performance.repeated_blocks` (the classes named, or the
@@ -127,6 +128,26 @@ def fill_shards(model: nn.Module, seed: int, device: torch.device) -> None:
                     param.copy_(full)
 
 
+def mesh_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients as one vector, as a plain tensor. torchtitan's `clip_grad_norm_`
+    takes `get_total_norm` of the DTensors and `full_tensor()`s the partial result; that needs every
+    gradient on one mesh, and under HSDP x TP a parameter the plan leaves whole lives on the
+    data-parallel mesh while the others live on ("dp_replicate", "dp_shard", "tp"). So: one norm per
+    mesh (each reduced over its own mesh by full_tensor), then combined."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, b in module._buffers.items():
@@ -144,9 +165,6 @@ class FSDPStrategy(Strategy):
         return model
 
     def setup(self, model: nn.Module, optimizer_factory):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp_shard",))
         home = torch.device("cpu") if self.options.cpu_offload else self.device  # where the shards live
         seeded = has_meta_parameters(model)
         if seeded:
@@ -158,6 +176,9 @@ class FSDPStrategy(Strategy):
         if self.options.activation_checkpointing and self.rank == 0:
             print("trainkit: strategy.activation_checkpointing is deprecated: use performance.activation_checkpointing: "
                   "full", flush=True)
+        if self.tensor_parallel > 1:  # TP inside the layers first, then FSDP over the data-parallel ranks
+            model = apply_tensor_parallel(model, self.full_mesh["tp"], loss_parallel=self.loss_parallel)
+        self.mesh = self.shard_mesh()
         apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32", self.performance)
         if seeded:
             fill_shards(model, self._seed, home)
@@ -166,15 +187,47 @@ class FSDPStrategy(Strategy):
             _move_buffers(model, self.device)
         return model, optimizer_factory(model.parameters())
 
+    # ---- the mesh: FSDP shards over ("dp_replicate", "dp_shard"), tensor parallel inside "tp"
+    @property
+    def full_mesh(self):
+        """The run's 4-D mesh (runtime.mesh); built here for a strategy constructed without one."""
+        if self.device_mesh is None:
+            from ..recipe.blocks.strategy import ParallelDims
+            from ..runtime.mesh import build_mesh
+
+            self.device_mesh = build_mesh(ParallelDims(dp_shard=self.world_size), self.device.type)
+        return self.device_mesh
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.full_mesh["tp"].size() if "tp" in self.full_mesh.mesh_dim_names else 1
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The cross-entropy on vocabulary-sharded logits (no gather of the logits) under tensor parallel."""
+        return self.tensor_parallel > 1
+
+    def shard_mesh(self):
+        """FSDP's mesh: 1-D "dp_shard" (plain FSDP), or the 2-D ("dp_replicate", "dp_shard") sub-mesh when
+        there are replicas: `fully_shard` on a 2-D mesh is HSDP (shard within a group, all-reduce across)."""
+        mesh = self.full_mesh
+        if mesh["dp_replicate"].size() > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_shard"]
+
     def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
-        """The MixedPrecisionPolicy casts parameters and inputs, so no autocast here."""
-        with (contextlib.nullcontext() if last_micro_step else self.no_sync(model)):
+        """The MixedPrecisionPolicy casts parameters and inputs, so no autocast here. Under loss parallel
+        the logits are vocabulary-sharded and torch's context encloses the loss and its backward."""
+        with (contextlib.nullcontext() if last_micro_step else self.no_sync(model)), self._loss_context():
             loss = loss_fn(model(x).float(), y) / grad_accum_steps
             precision.backward(loss)
-        return loss.detach().float()
+        return full_tensor(loss.detach().float())
 
     def eval_forward(self, model, x, precision):
-        return model(x)
+        return full_tensor(model(x))
+
+    def _loss_context(self) -> ContextManager:
+        return loss_context(self.loss_parallel)
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Accumulate unsharded gradients locally; reduce-scatter only on the last micro-step."""
@@ -189,13 +242,9 @@ class FSDPStrategy(Strategy):
         return off()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Global norm over the DTensor gradient shards (full_tensor all-reduces the partial norm)."""
-        from torch.distributed.tensor import DTensor
-
+        """Global norm over the DTensor gradient shards (`mesh_grad_norm`)."""
         params = [p for p in model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
+        total = mesh_grad_norm([p.grad for p in params])
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
