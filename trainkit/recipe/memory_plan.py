@@ -121,11 +121,24 @@ def gib(n: float) -> str:
 def setting_of(recipe: Any, device_type: str) -> Setting:
     """The plan's inputs, read from a resolved recipe."""
     ws = recipe.world_size or recipe.launch.nproc_per_node
-    return Setting(layout=recipe.strategy.memory_layout(ws), world_size=ws, precision=recipe.precision,
+    return Setting(layout=layout_of(recipe, ws), world_size=ws, precision=recipe.precision,
                    optimizer_tensors=optimizer_tensors(recipe.optimizer), micro_batch=recipe.data.batch_size,
                    grad_accum_steps=recipe.trainer.grad_accum_steps,
                    activation_checkpointing=recipe.performance.checkpointing.mode != "none",
                    device_type=device_type)
+
+
+def layout_of(recipe: Any, world_size: int) -> MemoryLayout:
+    """The strategy's layout, on the recipe's `parallel:` mesh when it has one: the strategy divides over
+    its dimensions (HSDP: dp_shard only), and tensor parallel divides parameters, gradients and optimizer
+    state by tp (each rank holds its slice of every layer). Not counted (so over-estimated): activations
+    split by tp inside attention and MLP, and the FSDP unit gathered as a 1/tp slice."""
+    if recipe.parallel is None:
+        return recipe.strategy.memory_layout(world_size)
+    dims = recipe.parallel_dims(world_size)
+    layout = recipe.strategy.memory_layout_on(dims)
+    return replace(layout, parameters=layout.parameters * dims.tp, gradients=layout.gradients * dims.tp,
+                   optimizer=layout.optimizer * dims.tp)
 
 
 def optimizer_tensors(optimizer: Any) -> int:
@@ -264,4 +277,4 @@ def _advice(sizes: ModelSizes, changes: dict, setting: Setting, available: int, 
 
 
 __all__ = ["MemoryAdvice", "MemoryLayout", "MemoryPlan", "ModelSizes", "Part", "Setting", "alternatives", "gib",
-           "optimizer_tensors", "plan", "setting_of"]
+           "layout_of", "optimizer_tensors", "plan", "setting_of"]

@@ -43,6 +43,11 @@ class FSDPOptions(StrategyOptions):
         return MemoryLayout(parameters=world_size, gradients=world_size, optimizer=world_size, gathers_units=True,
                             offload_parameters=self.cpu_offload, offload_optimizer=self.cpu_offload)
 
+    def memory_layout_on(self, dims: ParallelDims) -> MemoryLayout:
+        # fully_shard on the (dp_replicate, dp_shard) mesh shards over dp_shard only; dp_replicate ranks hold
+        # copies (HSDP), and tensor parallel's slice is divided by the memory plan
+        return self.memory_layout(dims.dp_shard)
+
     def rules(self, recipe: Any) -> Iterator[Finding]:
         ac = recipe.performance.checkpointing
         if self.activation_checkpointing and recipe.performance.compile_options is not None and ac.mode == "none":

@@ -151,6 +151,12 @@ class StrategyOptions(PluginBlock):
         """How this strategy divides the model's memory over `world_size` ranks (replicas: not at all)."""
         return MemoryLayout()
 
+    def memory_layout_on(self, dims: ParallelDims) -> MemoryLayout:
+        """How this strategy divides the model's memory on a `parallel:` mesh, before tensor parallel's own
+        split (the memory plan divides by tp): its layout over the whole world, which holds wherever its mesh
+        dimensions are the ones it lays the world out on itself (DDP, ZeRO, the pipeline)."""
+        return self.memory_layout(dims.world_size)
+
     def rules(self, recipe: Any) -> Iterator[Finding]:
         """This strategy's cross-field rules on the whole recipe, checked by `validate` (no torch)."""
         return iter(())
