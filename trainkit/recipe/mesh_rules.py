@@ -79,7 +79,7 @@ def _dimensions_of_the_strategy(r: Any, dims: ParallelDims) -> Iterator[Finding]
     own = s.capabilities().mesh_dims
     for dim, n in dims.degrees().items():
         if n > 1 and dim not in own:
-            inferred = " (inferred: -1 is its default)" if dim == r.parallel.inferred() else ""
+            inferred = ", inferred from -1" if dim == r.parallel.inferred() else ""
             others = strategies_with(dim)
             offer = f"strategy {' or '.join(others)} lays ranks out on {dim}" if others else \
                 f"no installed strategy lays ranks out on {dim}"
