@@ -5,18 +5,22 @@ The model is an `nn.Sequential` of `tok_embeddings`, `layers` (one `TransformerB
 `norm` and `output`, and every block takes and returns only the hidden states, so each strategy
 handles it unchanged: FSDP shards each `TransformerBlock` (`wrap: [TransformerBlock]`, with
 activation checkpointing per block), the pipeline splits at `layers.N`, ZeRO-3 partitions it,
-DDP replicates it. Rotary angles are computed in fp32 in each forward (no buffers, so nothing
+DDP replicates it, and tensor parallel splits it with the plan `tensor_parallel_plan` declares
+(torchtitan's). Rotary angles are computed in fp32 in each forward (no buffers, so nothing
 is cast to bf16 by DeepSpeed or sharded by FSDP).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -67,9 +71,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        # -1, not self.heads: under tensor parallel each rank holds heads / tp of the heads
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rotary(t, self.head_dim, self.theta, x.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
@@ -131,6 +136,34 @@ class Transformer(nn.Sequential):
     @property
     def max_seq_len(self) -> int:
         return self.config.seq_len
+
+    def tensor_parallel_plan(self, *, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+        """torchtitan's Llama plan: Megatron's column/row pairs in attention and the MLP, sequence
+        parallel norms (the residual stream between them sharded on the sequence, so the sequence
+        length must divide by tp), a vocabulary-sharded embedding and head; with `loss_parallel`, the
+        logits stay a Shard(-1) DTensor for torch's loss_parallel()."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel)
+
+        to_whole_sequence = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.attention": PrepareModuleInput(**to_whole_sequence),
+            "layers.*.attention.wq": ColwiseParallel(),
+            "layers.*.attention.wk": ColwiseParallel(),
+            "layers.*.attention.wv": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "layers.*.ffn_norm": SequenceParallel(),
+            "layers.*.feed_forward": PrepareModuleInput(**to_whole_sequence),
+            "layers.*.feed_forward.w1": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "layers.*.feed_forward.w3": ColwiseParallel(),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                      use_local_output=not loss_parallel),
+        }
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[-1] > self.config.seq_len:
