@@ -76,6 +76,14 @@ class TransformerFacts(ModelFacts):
     def vocab_and_positions(self, args: dict) -> tuple[Optional[int], Optional[int]]:
         return args.get("vocab_size"), args.get("seq_len", 512)
 
+    def tensor_parallel_refusal(self, tp: int, args: dict) -> Optional[str]:
+        """Its plan (Transformer.tensor_parallel_plan) splits the heads, the feed-forward width and the
+        vocabulary; the model's defaults are TransformerConfig's."""
+        dim, heads = args.get("dim", 256), args.get("heads", 4)
+        ffn_hidden = args.get("ffn_hidden") or 64 * -(-int(8 * dim / 3) // 64)  # TransformerConfig.hidden
+        return indivisible_by(tp, {"heads": heads, "kv_heads": args.get("kv_heads") or heads,
+                                   "ffn_hidden": ffn_hidden, "vocab_size": args.get("vocab_size")}, "model.args")
+
 
 class TorchvisionFacts(ModelFacts):
     """torchvision.<name>: a classification model that is not an nn.Sequential (ResNet, ViT, ...), so the
@@ -119,6 +127,20 @@ class HFCausalLMFacts(ModelFacts):
         return getattr(config, "vocab_size", None), next(
             (described[k] for k in MAX_POSITION_KEYS if isinstance(described.get(k), int)), None)
 
+    def tensor_parallel_refusal(self, tp: int, args: dict) -> Optional[str]:
+        """transformers' plans split the attention heads, the MLP width and the vocabulary; checked as the
+        recipe writes them (a size it leaves to the model type's default is checked when the model is split,
+        as are the model type's plan and a tying the config does not write)."""
+        config = args.get("config") if isinstance(args.get("config"), dict) else {}
+        if config.get("tie_word_embeddings") is True:
+            return ("tie_word_embeddings: true shares the embedding with the output head, which tensor parallel "
+                    "would shard twice and untie; set model.args.config.tie_word_embeddings: false")
+        heads = config.get("num_attention_heads")
+        return indivisible_by(tp, {"num_attention_heads": heads,
+                                   "num_key_value_heads": config.get("num_key_value_heads") or heads,
+                                   "intermediate_size": config.get("intermediate_size"),
+                                   "vocab_size": config.get("vocab_size")}, "model.args.config")
+
     @staticmethod
     def _config(args: dict) -> Any:
         """The transformers config the recipe builds, or LookupError with a message."""
@@ -135,3 +157,15 @@ class HFCausalLMFacts(ModelFacts):
             raise LookupError(f"unknown Hugging Face model_type '{model_type}'{did_you_mean(str(model_type), known)} "
                               f"({len(known)} known to transformers, e.g. llama, gpt2, qwen2, mistral)")
         return CONFIG_MAPPING[model_type](**config)
+
+
+def indivisible_by(tp: int, sizes: dict[str, Any], where: str) -> Optional[str]:
+    """Why the sizes a tensor-parallel plan splits evenly over `tp` ranks do not all divide by it, or None
+    (a size of None, left to the model's default, is not checked)."""
+    bad = [f"{name} {n}" for name, n in sizes.items() if isinstance(n, int) and n % tp]
+    if not bad:
+        return None
+    return (f"{where} {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible by tp {tp} (tensor "
+            f"parallel gives each rank 1/{tp} of the heads, the feed-forward width and the vocabulary); make "
+            f"{'it' if len(bad) == 1 else 'them'} a multiple of {tp} or choose a tp that divides "
+            f"{'it' if len(bad) == 1 else 'them'}")
