@@ -43,7 +43,10 @@ faults never leak into another's run.
   one host barely has.
 - TRAINKIT_FAULT_DIVERGE="rank=1,step=6,what=param|buffer": after that optimizer step (after its
   checkpoint) that rank alone adds 1e-3 to its first parameter's local tensor (param), or gets a
-  buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).- TRAINKIT_FAULT_PROBE_MEMORY=DIR: each rank writes DIR/memory-rank<R>.json as it leaves (`os._exit`,
+  buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
+- TRAINKIT_FAULT_SLOW_CHECKPOINT="step=4,s=600,marks=DIR": every rank's checkpoint write of that step
+  sleeps (tests/fault_checkpoint_write.py).
+- TRAINKIT_FAULT_PROBE_MEMORY=DIR: each rank writes DIR/memory-rank<R>.json as it leaves (`os._exit`,
   after the end-of-run checks): {"baseline": VmRSS once torch, trainkit's loop, FSDP, DCP and (with
   DS_ACCELERATOR set) DeepSpeed are imported, before the process group, model or data exist;
   "after_step_2": VmHWM after the second optimizer step (build, setup and two steps: the optimizer's
@@ -144,6 +147,9 @@ def install(*, model, rank: int) -> list:
         model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
     install_collective_latency(model)
     install_slow_link(model)
+    from fault_checkpoint_write import install_slow_checkpoint_write  # tests/ is on the run's path
+
+    install_slow_checkpoint_write(rank=rank)
     return (hooks + install_hang(model=model, rank=rank) + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
             + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
             + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank)

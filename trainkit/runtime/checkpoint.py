@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from . import checkpoint_async
 from .checkpoint_layout import PREFIX, TMP, disk_full_message, disk_too_full, folder_bytes, step_folders, step_of
 from .files import fsync_dir, fsync_save, sha256_file
 
@@ -158,8 +159,13 @@ class Checkpointer:
     def __init__(self, ckpt_dir: Path, strategy, keep: int, recipe_data: dict):
         self.dir, self.strategy, self.keep = ckpt_dir, strategy, keep
         self.recipe_data, self.recipe_sha256 = recipe_data, recipe_hash(recipe_data)
+        trainer = recipe_data.get("trainer", {})
+        self.in_background = bool(trainer.get("checkpoint", {}).get("async_save", False))
+        self.final_step = trainer.get("max_steps")  # its save is waited for: the run ends with it sealed
+        self.pending: Optional[tuple[checkpoint_async.BackgroundWrite, Path, Path]] = None
 
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
+        self.wait()  # at most one save in flight: the previous one is written and sealed first
         s = self.strategy
         final = self.dir / f"{PREFIX}{step:08d}"
         tmp = self.dir / f"{TMP}{final.name}"
@@ -168,30 +174,52 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         s.barrier()
         try:
-            s.save_checkpoint(tmp, model, optimizer)
+            if not self.in_background:
+                s.save_checkpoint(tmp, model, optimizer)
             fsync_save(rng_state(), tmp / f"rng-rank{s.rank:05d}.pt")
             if s.rank == 0:
                 fsync_save(dict(trainer_state, recipe_sha256=self.recipe_sha256, world_size=s.world_size,
                                 data_parallel_size=s.data_parallel_size),
                            tmp / "trainer.pt")
                 write_recipe(tmp, self.recipe_data)
-            s.barrier()
-            if s.rank == 0:
-                self._seal(tmp, final, step)
-            s.barrier()
+            if self.in_background:  # every other file is written: the seal waits only for DCP's write
+                seal = (lambda: self._seal(tmp, final, step)) if s.rank == 0 else None
+                self.pending = (checkpoint_async.start(tmp, model, optimizer, seal), tmp, final)
+            else:
+                s.barrier()
+                if s.rank == 0:
+                    self._seal(tmp, final, step)
+                s.barrier()
         except BaseException as exc:
-            full = _is_disk_full(exc) or (_vanished(exc, tmp) and disk_too_full(self.dir))
-            if full:
-                # every rank frees what it can at once, so the error reports (torchelastic's error.json,
-                # the fatal marker) can still be written; the emptied folder stays as the sign of which
-                # save failed, for the launcher's report and a restart's check (`failed_save`)
-                written = folder_bytes(tmp)
-                _empty(tmp)
-                raise DiskFullError(disk_full_message(self.dir, final.name, written)) from exc
-            if s.rank == 0:  # interrupted or failed: never leave a half-written checkpoint behind
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            self._failed(exc, tmp, final)
+        if step == self.final_step:
+            self.wait()  # the run's last checkpoint is complete when the run ends
         return final
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (`trainer.checkpoint.async_save`): its errors are raised here,
+        a full disk as DiskFullError like a synchronous save's."""
+        if self.pending is None:
+            return
+        write, tmp, final = self.pending
+        self.pending = None
+        try:
+            write.wait()
+        except BaseException as exc:
+            self._failed(exc, tmp, final)
+
+    def _failed(self, exc: BaseException, tmp: Path, final: Path) -> None:
+        full = _is_disk_full(exc) or (_vanished(exc, tmp) and disk_too_full(self.dir))
+        if full:
+            # every rank frees what it can at once, so the error reports (torchelastic's error.json,
+            # the fatal marker) can still be written; the emptied folder stays as the sign of which
+            # save failed, for the launcher's report and a restart's check (`failed_save`)
+            written = folder_bytes(tmp)
+            _empty(tmp)
+            raise DiskFullError(disk_full_message(self.dir, final.name, written)) from exc
+        if self.strategy.rank == 0:  # interrupted or failed: never leave a half-written checkpoint behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise exc
 
     def _seal(self, tmp: Path, final: Path, step: int) -> None:
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -230,7 +258,10 @@ class Checkpointer:
             raise WorldSizeChanged(f"{folder} was saved by {saved_world} ranks and this launch has {s.world_size}: "
                                    f"{type(s).__name__} checkpoints cannot be resharded on load; resume with "
                                    f"{saved_world} ranks, or start a new run (name=...)")
-        s.load_checkpoint(folder, model, optimizer)
+        if checkpoint_async.written_in_background(folder, s):
+            checkpoint_async.load_written_in_background(folder, model, optimizer)
+        else:
+            s.load_checkpoint(folder, model, optimizer)
         rng = folder / f"rng-rank{s.rank:05d}.pt"
         if rng.is_file():
             set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))

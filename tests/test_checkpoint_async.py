@@ -1,0 +1,131 @@
+"""`trainer.checkpoint.async_save: true`: checkpoints written in the background through DCP's
+async_save keep every guarantee of a synchronous save (docs/running.md, "Checkpoints").
+
+One 2-rank launch of `trainkit.runtime.cell_runner` trains three run directories (FSDP saved
+synchronously, FSDP and DDP saved in the background), each trained, resumed from its step-4
+checkpoint and exported; every checkpoint write of step 6 (the last) is made 1 s slow, so a run
+whose end did not wait for it would leave step 6 unsealed. One more launch is killed during a
+background write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from run_helpers import env_for, free_port, merged, trainkit, wait_for, write_recipe
+from strategy_runs import RTOL, SEEDED_MLP
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 6
+ASYNC = merged(SEEDED_MLP, {"trainer": {"max_steps": STEPS, "log_every": 1,
+                                        "checkpoint": {"every": 2, "keep": 3, "async_save": True}}})
+SYNC = merged(ASYNC, {"trainer": {"checkpoint": {"every": 2, "keep": 3}}})
+CELLS = {"fsdp-sync": (SYNC, {"name": "fsdp"}), "fsdp-async": (ASYNC, {"name": "fsdp"}),
+         "ddp-async": (ASYNC, {"name": "ddp"})}
+
+
+def launch_cells(folder: Path, run_dirs: list[Path], timeout: float, **env: str) -> None:
+    """One torchrun launch of trainkit's cell runner over `run_dirs` (train, resume, export each)."""
+    spec = folder / "cells.json"
+    spec.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs], "keep_checkpoints": True}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "trainkit.runtime.cell_runner", str(spec)]
+    with open(folder / "cells.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=folder, env=env_for(folder, **env), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"the cell launch did not finish in {timeout}s:\n{(folder / 'cells.log').read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def cells(tmp_path_factory) -> dict[str, dict]:
+    folder = tmp_path_factory.mktemp("async-cells")
+    run_dirs = []
+    for name, (preset, strategy) in CELLS.items():
+        run_dir = folder / "runs" / name
+        run_dir.mkdir(parents=True)
+        recipe = merged(preset, {"name": name, "strategy": strategy, "launch": {"run_dir": str(folder / "runs")}})
+        (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+        run_dirs.append(run_dir)
+    launch_cells(folder, run_dirs, timeout=240, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step={STEPS},s=1")
+    log = (folder / "cells.log").read_text()[-4000:]
+    results = {}
+    for run_dir in run_dirs:
+        path = run_dir / "cell-result.json"
+        assert path.is_file(), log
+        results[run_dir.name] = {**json.loads(path.read_text()), "run_dir": run_dir}
+        assert "error" not in results[run_dir.name], results[run_dir.name]["error"] + log
+    return results
+
+
+def steps(losses: dict) -> list[float]:
+    return [losses[str(s)] for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.parametrize("name", ["fsdp-async", "ddp-async"])
+def test_a_run_saved_in_the_background_trains_and_resumes_as_one_saved_synchronously(cells, name):
+    """Guards the async path's state: the losses of the run and of its resume from the step-4
+    checkpoint written in the background equal the synchronously saved FSDP run's (RTOL as the
+    strategy tests: 2 ranks, fp32, same seeded weights); the final checkpoint exports."""
+    sync, run = cells["fsdp-sync"], cells[name]
+    assert run["resumed_from"] == "step-00000004", run
+    for key in ("losses", "resumed_losses"):
+        assert steps(run[key]) == pytest.approx(steps(sync["losses"]), rel=RTOL), key
+    assert run["export"]["checkpoint"] == f"step-{STEPS:08d}" and run["export"]["finite"], run["export"]
+
+
+def test_the_run_ends_only_when_its_last_background_write_is_sealed(cells):
+    """Guards the wait at the end: the step-6 write takes an extra second in DCP's background thread,
+    and yet the step-6 checkpoint is complete the moment the run returns (the cell runner drops it
+    then to resume from step 4, so a run that ended first would have resumed from step 2)."""
+    from trainkit.runtime.checkpoint import problem_with, step_folders
+
+    run = cells["fsdp-async"]
+    assert run["resumed_from"] == "step-00000004"
+    folders = step_folders(run["run_dir"] / "checkpoints")
+    assert [f.name for f in folders] == [f"step-{s:08d}" for s in (6, 4, 2)]  # the resume wrote step 6 again
+    assert all(problem_with(f) is None for f in folders)
+    assert not list((run["run_dir"] / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_as_the_resume_point(tmp_path):
+    """Guards the completion marker: the step-4 write sleeps in DCP's background thread while the
+    ranks train on (step 6's save then waits for it: at most one in flight); SIGKILL then. The
+    step-4 folder is left unsealed -- never named step-4, no meta.json -- and the resume point is
+    step 2, as `trainkit run` decides it."""
+    from trainkit.run_dir import CHECKPOINTS, METRICS
+    from trainkit.runtime.resume import checkpoint_to_resume
+
+    marks = tmp_path / "marks"
+    recipe = write_recipe(tmp_path, "killed", ASYNC, strategy={"name": "fsdp"})
+    env = env_for(tmp_path, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step=4,s=600,marks={marks}")
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(list(marks.glob("writing-step-00000004-rank*"))) == 2 or proc.poll() is not None,
+                 timeout=180, what="the step-4 background write")
+        metrics = tmp_path / "runs" / "killed" / METRICS
+        wait_for(lambda: '"step": 6' in (metrics.read_text() if metrics.is_file() else "") or proc.poll() is not None,
+                 timeout=60, what="training on while step 4 is written")  # a blocking save never gets there
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+    ckpts = tmp_path / "runs" / "killed" / CHECKPOINTS
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names == [".tmp-step-00000004", "step-00000002"], out[-3000:]
+    assert not (ckpts / ".tmp-step-00000004" / "meta.json").exists()
+    assert checkpoint_to_resume("auto", ckpts, restart_count=0, warn=False).name == "step-00000002"

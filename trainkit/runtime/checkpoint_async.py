@@ -1,0 +1,91 @@
+"""Checkpoints written in the background (`trainer.checkpoint.async_save: true`).
+
+Why: a synchronous save stops training for the whole write. DCP's `async_save` (torchtitan's
+`async_mode: async`) copies the model and optimizer state into host memory on the training thread
+(the only part that blocks) and writes the files from a thread of its own, over a gloo group of its
+own so that its collectives never interleave with the training loop's.
+
+The folder is written as `.tmp-step-N` like any other; the completion marker (`meta.json`) and the
+rename to `step-N` come only after the write has finished on every rank (DCP's coordinator, rank 0,
+finishes after gathering every rank's write result), so a process killed mid-write leaves an
+unsealed folder that is never resumed from. The layout is DCP's `{"model", "optim"}` from
+`get_state_dict`, the one the FSDP strategy writes itself; a strategy with another layout of its own
+(DDP's `model.pt`) loads such a folder through DCP (`load_written_in_background`).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable, Optional
+
+DCP_METADATA = ".metadata"  # the file DCP's coordinator writes last
+
+
+class BackgroundWrite:
+    """One save in flight: DCP's write future, then (rank 0) the seal once it has succeeded."""
+
+    def __init__(self, future: Future, seal: Optional[Callable[[], None]]):
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._seal = seal
+        future.add_done_callback(self._finish)
+
+    def _finish(self, future: Future) -> None:
+        try:
+            future.result()
+            if self._seal is not None:
+                self._seal()
+        except BaseException as exc:  # re-raised on the training thread by `wait`
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Block until the write (and its seal) has finished; raise what went wrong in the background."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+_GROUP = None  # the checkpoint writer's own gloo group, made once per process (a collective: every rank)
+
+
+def _writer_group():
+    global _GROUP
+    import torch.distributed as dist
+
+    if _GROUP is None and dist.is_available() and dist.is_initialized():
+        _GROUP = dist.new_group(backend="gloo")
+    return _GROUP
+
+
+def start(folder: Path, model, optimizer, seal: Optional[Callable[[], None]]) -> BackgroundWrite:
+    """Stage this rank's state (blocking: a host copy) and start writing it into `folder`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
+                            process_group=_writer_group())
+    return BackgroundWrite(future, seal)
+
+
+def written_in_background(folder: Path, strategy) -> bool:
+    """A DCP folder the strategy did not write in a layout of its own (DDP after `async_save`)."""
+    return (folder / DCP_METADATA).is_file() and not type(strategy).owns_checkpoint(folder)
+
+
+def load_written_in_background(folder: Path, model, optimizer) -> None:
+    """Load a `start`-written folder into any strategy's model and optimizer, through DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
