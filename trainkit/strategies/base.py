@@ -191,11 +191,7 @@ class Strategy:
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss as the whole job sees it (mean over data-parallel ranks), elementwise: the
         loop passes the losses of all steps since the last log step as one vector."""
-        if self.ranks_per_batch == 1:
-            return self.all_reduce_mean(loss)
-        out = loss.detach().clone().float()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.data_parallel_group())
-        return out / self.data_parallel_size
+        return self.all_reduce_mean(loss)  # a tensor-parallel group's ranks hold the same loss: the mean is kept
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a tensor over all ranks (a copy; the input is unchanged)."""

@@ -1,0 +1,181 @@
+"""The `parallel:` mesh at run time (issue 30): HSDP, FSDP x TP and TP train the tiny transformer to
+the losses of one process, and a checkpoint written on one mesh resumes on another at the exact data
+position and exports to the plain model.
+
+Every run here reads the same global batch of 4 sequences per step, so each is held to one shared
+one-process reference. The runs are trained by `trainkit.runtime.cell_runner` in three launches for
+the whole module: one of 4 ranks (every 4-rank mesh, one after the other), one of 2 ranks, then one
+plain process (the reference, and the resume of the 2-rank TP checkpoint on one rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from grid_runs import RUNNER, _write_corpus
+from run_helpers import env_for, free_port
+
+STEPS = 3  # checkpoints at steps 2 and 3: a resume on another mesh starts from step 2
+RTOL = 1e-5  # fp32: the same arithmetic split differently over the ranks (measured: see docs/strategies.md)
+LAUNCH_TIMEOUT_S = 400
+
+BASE = {
+    "seed": 5,
+    "model": {"name": "transformer", "init": "seeded",
+              "args": {"vocab_size": 320, "dim": 32, "layers": 2, "heads": 2, "seq_len": 16}},
+    "data": {"name": "text", "files": ["lm/train.txt"], "eval_files": ["lm/eval.txt"],
+             "tokenizer": "lm/tokenizer.json", "generate": {"documents": 200, "seed": 0, "vocab_size": 300},
+             "seq_len": 16, "batch_size": 4, "shuffle": True},
+    "task": {"name": "causal_lm"},
+    "optimizer": {"name": "adamw", "lr": 0.01},
+    "trainer": {"max_steps": STEPS, "log_every": 1, "grad_clip": 1.0, "eval_every": STEPS, "eval_steps": 2,
+                "checkpoint": {"every": 2, "keep": 2}},
+    "launch": {"timeout_s": 60},
+    "tracking": {"enabled": False},
+}
+
+
+def _recipe(ranks: int, parallel: dict | None, batch_size: int, **extra) -> dict:
+    """BASE on `ranks` ranks with the `parallel:` block given; `batch_size` per data-parallel rank."""
+    out = json.loads(json.dumps(BASE))
+    out["launch"]["nproc_per_node"] = ranks
+    out["data"]["batch_size"] = batch_size
+    out["strategy"] = {"name": "fsdp"} if parallel is not None else {"name": "ddp"}
+    if parallel is not None:
+        out["parallel"] = parallel
+    for key, value in extra.items():
+        out[key] = {**out.get(key, {}), **value}
+    return out
+
+
+# name -> (ranks, recipe); the runs of one launch train in this order
+RUNS_4 = {
+    "hsdp-2x2": _recipe(4, {"dp_replicate": 2, "dp_shard": 2}, 1),
+    "fsdp-tp-2x2": _recipe(4, {"dp_shard": 2, "tp": 2}, 2),
+}
+RUNS_2 = {"tp-2": _recipe(2, {"dp_shard": 1, "tp": 2}, 4)}
+RUNS_1 = {"reference": _recipe(1, None, 4)}
+# resumed on another mesh: name -> (the run whose step-2 checkpoint it starts from, its recipe)
+RESHARDS = {
+    "hsdp-2x2-to-fsdp-4": ("hsdp-2x2", _recipe(4, {"dp_shard": 4}, 1)),
+    "tp-2-to-1": ("tp-2", _recipe(1, {"tp": 1}, 4)),
+}
+
+
+def _write_run(folder: Path, name: str, recipe: dict) -> Path:
+    run_dir = folder / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "name": name}, sort_keys=False))
+    return run_dir
+
+
+def _launch(folder: Path, ranks: int, run_dirs: list[Path]) -> None:
+    """Train `run_dirs` in one launch (checkpoints kept: the reshard runs resume from them)."""
+    spec = folder / f"cells-{ranks}.json"
+    spec.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs], "resume": False, "keep_checkpoints": True}))
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            "--master_port", str(free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
+    with open(folder / f"cells-{ranks}.log", "w") as log:
+        proc = subprocess.Popen([*head, RUNNER, str(spec)], cwd=folder, env=env_for(folder), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every run of this module trained; the folder holding their run directories."""
+    folder = tmp_path_factory.mktemp("mesh")
+    _write_corpus(folder)
+    launches = {4: dict(RUNS_4), 2: dict(RUNS_2), 1: dict(RUNS_1)}
+    for name, (source, recipe) in RESHARDS.items():
+        step2 = folder / source / "checkpoints" / "step-00000002"
+        ranks = recipe["launch"]["nproc_per_node"]
+        launches[ranks][name] = {**recipe, "trainer": {**recipe["trainer"], "resume": str(step2)}}
+    dirs = {ranks: [_write_run(folder, name, r) for name, r in runs.items()] for ranks, runs in launches.items()}
+    # the 4-rank launch beside the 2-rank one, then the one process (it resumes the 2-rank checkpoint)
+    four = threading.Thread(target=_launch, args=(folder, 4, dirs[4]))
+    four.start()
+    _launch(folder, 2, dirs[2])
+    _launch(folder, 1, dirs[1])
+    four.join()
+    return folder
+
+
+def _result(folder: Path, name: str) -> dict:
+    path = folder / name / "cell-result.json"
+    if not path.is_file():
+        logs = "\n".join(p.read_text()[-4000:] for p in sorted(folder.glob("cells-*.log")))
+        raise AssertionError(f"{name}: no result (its launch ended before it)\n{logs}")
+    result = json.loads(path.read_text())
+    assert "error" not in result and "refused" not in result, f"{name}: {result}"
+    return result
+
+
+def _losses(folder: Path, name: str) -> dict[int, float]:
+    return {int(k): v for k, v in _result(folder, name)["losses"].items()}
+
+
+def _eval_loss(folder: Path, name: str) -> float:
+    rows = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval_loss" in r][-1]["eval_loss"]
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: steps {sorted(got)} != {sorted(want)}"
+    for step in want:
+        off = abs(got[step] - want[step]) / abs(want[step])
+        assert math.isfinite(got[step]) and off <= RTOL, (
+            f"{what}: loss {got[step]} at step {step} differs from the one-process {want[step]} by {off:.2e}")
+
+
+@pytest.mark.parametrize("name", [*RUNS_4, *RUNS_2])
+def test_mesh_trains_like_one_process(runs, name):
+    """HSDP 2x2, FSDP x TP 2x2 and TP 2: every step's loss and the evaluation equal one process's."""
+    reference = _losses(runs, "reference")
+    _assert_close(_losses(runs, name), reference, name)
+    want = _eval_loss(runs, "reference")
+    assert abs(_eval_loss(runs, name) - want) <= RTOL * abs(want), name
+
+
+@pytest.mark.parametrize("name", list(RESHARDS))
+def test_checkpoint_resumes_on_another_mesh(runs, name):
+    """A step-2 checkpoint of one mesh, loaded on another, redoes step 3 with the same batch and the
+    same model: its loss is the original run's and one process's step 3."""
+    source = RESHARDS[name][0]
+    losses = _losses(runs, name)
+    assert sorted(losses) == [STEPS], f"{name} trained steps {sorted(losses)}: it did not resume from step 2"
+    _assert_close(losses, {STEPS: _losses(runs, source)[STEPS]}, f"{name} against {source}")
+    _assert_close(losses, {STEPS: _losses(runs, "reference")[STEPS]}, f"{name} against one process")
+
+
+@pytest.mark.parametrize("name", [*RUNS_4, *RUNS_2, *RESHARDS])
+def test_export_consolidates_the_plain_model(runs, name):
+    """`trainkit export` of an HSDP / TP / resharded checkpoint: the plain transformer's state_dict,
+    loaded strict, holding the one-process run's final weights (each tensor within RTOL of its norm:
+    AdamW's first steps divide by tiny second moments, so single elements say little)."""
+    from trainkit.recipe import resolve
+    from trainkit.runtime.export import consolidated_state_dict
+    from trainkit.runtime.model import build_model
+
+    _, state = consolidated_state_dict(runs / name / "checkpoints" / f"step-{STEPS:08d}")
+    model = build_model(resolve(runs / name / "recipe.yaml").recipe.model)
+    model.load_state_dict(state, strict=True)
+    _, reference = consolidated_state_dict(runs / "reference" / "checkpoints" / f"step-{STEPS:08d}")
+    for key, want in reference.items():
+        off = ((state[key].double() - want.double()).norm() / want.double().norm()).item()
+        assert off <= RTOL, f"{name}: {key} differs from one process's by {off:.2e} of its norm"
