@@ -10,7 +10,6 @@ background write.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,9 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-
-from run_helpers import env_for, free_port, merged, trainkit, wait_for, write_recipe
+from cell_launch import train_cells
+from run_helpers import env_for, merged, trainkit, wait_for, write_recipe
 from strategy_runs import RTOL, SEEDED_MLP
 
 pytestmark = pytest.mark.distributed
@@ -33,42 +31,11 @@ CELLS = {"fsdp-sync": (SYNC, {"name": "fsdp"}), "fsdp-async": (ASYNC, {"name": "
          "ddp-async": (ASYNC, {"name": "ddp"})}
 
 
-def launch_cells(folder: Path, run_dirs: list[Path], timeout: float, **env: str) -> None:
-    """One torchrun launch of trainkit's cell runner over `run_dirs` (train, resume, export each)."""
-    spec = folder / "cells.json"
-    spec.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs], "keep_checkpoints": True}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "trainkit.runtime.cell_runner", str(spec)]
-    with open(folder / "cells.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=folder, env=env_for(folder, **env), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AssertionError(f"the cell launch did not finish in {timeout}s:\n{(folder / 'cells.log').read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def cells(tmp_path_factory) -> dict[str, dict]:
-    folder = tmp_path_factory.mktemp("async-cells")
-    run_dirs = []
-    for name, (preset, strategy) in CELLS.items():
-        run_dir = folder / "runs" / name
-        run_dir.mkdir(parents=True)
-        recipe = merged(preset, {"name": name, "strategy": strategy, "launch": {"run_dir": str(folder / "runs")}})
-        (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-        run_dirs.append(run_dir)
-    launch_cells(folder, run_dirs, timeout=240, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step={STEPS},s=1")
-    log = (folder / "cells.log").read_text()[-4000:]
-    results = {}
-    for run_dir in run_dirs:
-        path = run_dir / "cell-result.json"
-        assert path.is_file(), log
-        results[run_dir.name] = {**json.loads(path.read_text()), "run_dir": run_dir}
-        assert "error" not in results[run_dir.name], results[run_dir.name]["error"] + log
-    return results
+    recipes = {name: merged(preset, {"strategy": strategy}) for name, (preset, strategy) in CELLS.items()}
+    return train_cells(tmp_path_factory.mktemp("async-cells"), recipes, timeout=240,
+                       TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step={STEPS},s=1")
 
 
 def steps(losses: dict) -> list[float]:
@@ -129,3 +96,13 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_as_the_
     assert names == [".tmp-step-00000004", "step-00000002"], out[-3000:]
     assert not (ckpts / ".tmp-step-00000004" / "meta.json").exists()
     assert checkpoint_to_resume("auto", ckpts, restart_count=0, warn=False).name == "step-00000002"
+
+
+@pytest.mark.parametrize("strategy", [{"name": "deepspeed", "zero_stage": 2}, {"name": "pipeline", "microbatches": 2}])
+def test_validate_refuses_async_save_where_the_strategy_writes_its_own_checkpoint(tmp_path, strategy):
+    """Guards the refusals: DeepSpeed's engine and the pipeline's per-stage files have no background
+    write, so `trainkit validate` names the key and the strategy instead of running a plain save."""
+    recipe = write_recipe(tmp_path, "refused", ASYNC, strategy=strategy)
+    result = trainkit(tmp_path, "validate", str(recipe))
+    assert result.returncode != 0 and "Traceback" not in result.output, result.output
+    assert "trainer.checkpoint.async_save" in result.output and strategy["name"] in result.output, result.output

@@ -3,13 +3,14 @@ trainkit.strategies.deepspeed)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterator, Literal
+from typing import Any, ClassVar, Iterator, Literal, Optional
 
 from pydantic import Field
 
 from .base import Finding
 from .knobs import Knob
 from .strategy import Capabilities, MemoryLayout, ParallelDims, StrategyOptions
+from .training import AdamOptions
 
 # ds_config keys the recipe sets itself: -> the recipe key to use instead
 OWNED_BY_THE_RECIPE = {
@@ -81,6 +82,26 @@ class DeepSpeedOptions(StrategyOptions):
         zero = self.config.get("zero_optimization", {})
         if isinstance(zero, dict) and "stage" in zero:
             yield ("strategy", "config", "zero_optimization", "stage"), "use strategy.zero_stage"
+        if recipe.trainer.checkpoint.async_save:
+            yield ("trainer", "checkpoint", "async_save"), (
+                "deepspeed writes its checkpoints through its engine's own save, which has no background write "
+                "here; use async_save with ddp or fsdp, or set it to false")
+
+    def runs_cpu_adam(self, recipe: Any) -> bool:
+        """Optimizer offload steps in DeepSpeed's CPU Adam (DeepSpeedCPUAdam) unless `torch_optimizer_reason`."""
+        return self.offload_optimizer != "none" and self.torch_optimizer_reason(recipe) is None
+
+    def torch_optimizer_reason(self, recipe: Any) -> Optional[str]:
+        """Why an offloaded optimizer step runs in trainkit's torch optimizer instead of DeepSpeed's CPU Adam
+        (None: no offload, or CPU Adam runs it). CPU Adam is Adam/AdamW only: adam maps to its L2 mode
+        (adamw_mode false), adamw to decoupled weight decay, lr/betas/eps/weight_decay one to one."""
+        if self.offload_optimizer == "none":
+            return None
+        if self.config.get("zero_force_ds_cpu_optimizer") is False:
+            return "strategy.config sets zero_force_ds_cpu_optimizer: false"
+        if not isinstance(recipe.optimizer, AdamOptions):
+            return f"DeepSpeed's CPU optimizer is Adam/AdamW only; optimizer {recipe.optimizer.name} has none"
+        return None
 
     @classmethod
     def tune_knobs(cls) -> list[Knob]:

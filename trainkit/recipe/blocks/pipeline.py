@@ -56,6 +56,10 @@ class PipelineOptions(StrategyOptions):
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         s, r = self, recipe
+        if r.trainer.checkpoint.async_save:
+            yield ("trainer", "checkpoint", "async_save"), (
+                "the pipeline writes one file per stage of its own, with no background write; use async_save "
+                "with ddp or fsdp, or set it to false")
         yield from self._agrees_with_the_mesh(r)
         if r.data.batch_size % s.microbatches:
             yield ("strategy", "microbatches"), (
