@@ -81,7 +81,8 @@ def _intro(results: dict[str, Any]) -> list[str]:
             "they are checked for training without divergence, resume and export.", "",
             "Verification runs recorded here:", "",
             *[f"- {kind}: {device}, {date}: `{command}`" for kind, device, date, command in runs], "",
-            "Legend: **CPU** verified on CPU (gloo), **GPU** verified on CUDA (nccl), **refused (n)** "
+            "Legend: **CPU** verified on CPU (gloo), **GPU** verified on CUDA (nccl), **GPU-1** trained, "
+            "resumed and exported in one process on one CUDA device (no reference, no collectives), **refused (n)** "
             "refused by `trainkit validate` with message n below, **CPU: refused (n)** accepted by validate "
             "but refused by `trainkit run`'s preflight on that device (before anything starts), **not "
             "verified** accepted but not run there; **(2nd try)**: the first attempt stopped (recorded in "
@@ -107,7 +108,7 @@ def _verdict(status: Status, results: dict[str, Any], refusals: dict[str, int]) 
         return "refused (" + ", ".join(str(refusals[m]) for m in status.refusals) + ")"
     recorded = results.get(status.cell.id, {})
     kinds = []
-    for kind in ("cpu", "gpu"):
+    for kind in ("cpu", "gpu", "gpu-1"):
         record = recorded.get(kind, {})
         if record.get("result") == "verified":
             kinds.append(kind.upper() + (" (2nd try)" if "retried_after" in record else ""))
