@@ -37,16 +37,12 @@ class HungryMLP(nn.Module):
         return self.layer(x)
 
 
-def hungry_mlp(**kwargs) -> nn.Module:
-    return HungryMLP(**kwargs)
-
-
 @needs_cuda
 def test_cuda_oom_is_explained_with_a_memory_snapshot_that_report_points_to(tmp_path):
     """Guards: a CUDA OOM is reported as out of memory with its phase (step 1), peak and the GPU's
     memory; it is not restarted (the fatal marker); the allocator history is dumped to
     reports/cuda-oom-rank0.pickle and `trainkit report` names that file."""
-    recipe = mlp_recipe(tmp_path, "cuda-oom", model={"name": "test_memory_oom_gpu:hungry_mlp", "args": {}},
+    recipe = mlp_recipe(tmp_path, "cuda-oom", model={"name": "test_memory_oom_gpu:HungryMLP", "args": {}},
                         launch={"nproc_per_node": 1, "backend": "nccl"}, trainer={"max_steps": 3})
     here = str(Path(__file__).resolve().parent)  # the model factory lives in this file
     result = trainkit(tmp_path, "run", str(recipe),
