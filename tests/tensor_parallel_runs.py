@@ -1,6 +1,7 @@
 """Run by test_tensor_parallel.py as `torchrun --nproc_per_node 2 tests/tensor_parallel_runs.py OUT.json`:
 every tensor-parallel configuration in one 2-process gloo launch (processes are slow to start on 2 cores).
 
+The models: the built-in transformer, a tiny HF Llama and the example model of docs/plugins.md.
 Each configuration builds the model twice from one seed: a reference kept whole, as one process runs it,
 and a copy split over the 2 ranks by `apply_tensor_parallel`. Both take 3 AdamW steps on the same
 batches with trainkit's next-token loss; rank 0 writes the relative differences (loss, gradients and
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,9 +29,30 @@ from trainkit.tasks.causal_lm import NextTokenLoss
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 64
 LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False)
-MODELS = {
-    "transformer": lambda: transformer(vocab_size=VOCAB, dim=32, layers=2, heads=4, kv_heads=2, seq_len=SEQ),
-    "hf_llama": lambda: hf_causal_lm(config=LLAMA),
+PLUGINS_DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
+
+
+def docs_example(marker: str) -> dict:
+    """What the docs/plugins.md python block that starts with `marker` defines."""
+    block = next(b for b in re.findall(r"```python\n(.*?)```", PLUGINS_DOC.read_text(), re.S) if b.startswith(marker))
+    namespace: dict = {}
+    exec(compile(block, str(PLUGINS_DOC), "exec"), namespace)
+    return namespace
+
+
+def tokens(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return t[:, :-1], t[:, 1:]
+
+
+def features(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, 16, generator=generator), torch.randint(0, 8, (BATCH,), generator=generator)
+
+
+MODELS = {  # name: (build, a batch from a generator)
+    "transformer": (lambda: transformer(vocab_size=VOCAB, dim=32, layers=2, heads=4, kv_heads=2, seq_len=SEQ), tokens),
+    "hf_llama": (lambda: hf_causal_lm(config=LLAMA), tokens),
+    "docs_example": (lambda: docs_example("# trainkit_tp_mlp/model.py")["TwoLayerMLP"](), features),
 }
 
 
@@ -48,7 +72,7 @@ def placements(model: torch.nn.Module) -> dict[str, str]:
     return {name: str(p.placements[0]) if isinstance(p, DTensor) else "plain" for name, p in model.named_parameters()}
 
 
-def compare(build, tp_mesh, *, loss_parallel: bool) -> dict:
+def compare(build, batch, tp_mesh, *, loss_parallel: bool) -> dict:
     """One configuration: the split copy against the whole reference, step by step."""
     torch.manual_seed(0)
     reference = build()
@@ -58,8 +82,7 @@ def compare(build, tp_mesh, *, loss_parallel: bool) -> dict:
     batches = torch.Generator().manual_seed(1)
     out = {"placements": placements(model), "loss": [], "grad": [], "weight": []}
     for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=batches)
-        x, y = tokens[:, :-1], tokens[:, 1:]
+        x, y = batch(batches)
         expected = loss_fn(reference(x), y)
         expected.backward()
         with loss_context(loss_parallel):
@@ -81,8 +104,8 @@ def main(path: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    results = {f"{name} loss_parallel={lp}": compare(build, tp_mesh, loss_parallel=lp)
-               for name, build in MODELS.items() for lp in (False, True)}
+    results = {f"{name} loss_parallel={lp}": compare(build, batch, tp_mesh, loss_parallel=lp)
+               for name, (build, batch) in MODELS.items() for lp in (False, True)}
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,8 +1,9 @@
-"""Tensor parallel (issue 30): the built-in transformer and a Hugging Face Llama split over 2 gloo ranks by
-`apply_tensor_parallel`, with the plans the models declare, train as one process does: the loss, every
-gradient and every weight of 3 AdamW steps within fp32 relative 1e-5, with and without loss parallel.
+"""Tensor parallel (issue 30): the built-in transformer, a Hugging Face Llama and the example model of
+docs/plugins.md split over 2 gloo ranks by `apply_tensor_parallel`, with the plans the models declare,
+train as one process does: the loss, every gradient and every weight of 3 AdamW steps within fp32
+relative 1e-5, with and without loss parallel.
 
-All four configurations run in one 2-process torchrun launch (tensor_parallel_runs.py), shared by the
+All six configurations run in one 2-process torchrun launch (tensor_parallel_runs.py), shared by the
 tests here. The refusals (a model without a plan, an HF family transformers gives none) are in-process.
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from run_helpers import env_for
+from tensor_parallel_runs import docs_example
 from trainkit.models import mlp
 from trainkit.models.hf import hf_causal_lm
 from trainkit.strategies.tensor_parallel import apply_tensor_parallel
@@ -27,7 +29,7 @@ from trainkit.strategies.tensor_parallel import apply_tensor_parallel
 RUNS = Path(__file__).parent / "tensor_parallel_runs.py"
 LAUNCH_TIMEOUT_S = 180
 TOLERANCE = 1e-5  # fp32, relative (|a - b| / |b| per tensor); measured: losses <= 1.2e-7, gradients and weights <= 4.1e-6
-CONFIGS = [f"{model} loss_parallel={lp}" for model in ("transformer", "hf_llama") for lp in (False, True)]
+CONFIGS = [f"{model} loss_parallel={lp}" for model in ("transformer", "hf_llama", "docs_example") for lp in (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,19 @@ def test_the_hf_llama_is_split_by_transformers_own_plan(results):
 def test_loss_parallel_keeps_the_logits_sharded_on_the_vocabulary(results, model):
     assert results[f"{model} loss_parallel=True"]["logits"] == "S(2)"  # [batch, seq, vocab / tp] on each rank
     assert results[f"{model} loss_parallel=False"]["logits"] == "plain"
+
+
+def test_the_docs_example_model_is_split_as_its_plan_says(results):
+    split = results["docs_example loss_parallel=False"]["placements"]
+    assert (split["up.weight"], split["up.bias"], split["head.weight"], split["head.bias"]) == ("S(0)", "S(0)", "S(1)", "R")
+    assert results["docs_example loss_parallel=True"]["logits"] == "plain"  # it ignores loss_parallel: whole logits
+
+
+def test_the_docs_example_facts_refuse_a_width_tp_does_not_divide():
+    facts = docs_example("# trainkit_tp_mlp/facts.py")["TwoLayerMLPFacts"]()
+    assert facts.tensor_parallel_refusal(8, {"hidden": 60}) == ("model.args.hidden 60 is not divisible by tp 8; "
+                                                                "make it a multiple of 8")
+    assert facts.tensor_parallel_refusal(2, {"hidden": 60}) is None
 
 
 def test_a_model_without_a_plan_is_refused_by_its_class_name():
