@@ -39,7 +39,7 @@ BASE = {
              "seq_len": 16, "batch_size": 4, "shuffle": True},
     "task": {"name": "causal_lm"},
     "optimizer": {"name": "adamw", "lr": 0.01},
-    "trainer": {"max_steps": STEPS, "log_every": 1, "grad_clip": 1.0, "eval_every": STEPS, "eval_steps": 2,
+    "trainer": {"max_steps": STEPS, "log_every": 1, "grad_clip": 0.5, "eval_every": STEPS, "eval_steps": 2,
                 "checkpoint": {"every": 2, "keep": 2}},
     "launch": {"timeout_s": 60},
     "tracking": {"enabled": False},
@@ -130,9 +130,10 @@ def _losses(folder: Path, name: str) -> dict[int, float]:
     return {int(k): v for k, v in _result(folder, name)["losses"].items()}
 
 
-def _eval_loss(folder: Path, name: str) -> float:
+def _metrics(folder: Path, name: str) -> dict[int, dict]:
+    """metrics.jsonl's row of each step."""
     rows = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "eval_loss" in r][-1]["eval_loss"]
+    return {r["step"]: r for r in rows if "step" in r}
 
 
 def _assert_close(got: dict[int, float], want: dict[int, float], what: str) -> None:
@@ -140,16 +141,35 @@ def _assert_close(got: dict[int, float], want: dict[int, float], what: str) -> N
     for step in want:
         off = abs(got[step] - want[step]) / abs(want[step])
         assert math.isfinite(got[step]) and off <= RTOL, (
-            f"{what}: loss {got[step]} at step {step} differs from the one-process {want[step]} by {off:.2e}")
+            f"{what}: {got[step]} at step {step} differs from the one-process {want[step]} by {off:.2e}")
 
 
 @pytest.mark.parametrize("name", [*RUNS_4, *RUNS_2])
 def test_mesh_trains_like_one_process(runs, name):
-    """HSDP 2x2, FSDP x TP 2x2 and TP 2: every step's loss and the evaluation equal one process's."""
-    reference = _losses(runs, "reference")
-    _assert_close(_losses(runs, name), reference, name)
-    want = _eval_loss(runs, "reference")
-    assert abs(_eval_loss(runs, name) - want) <= RTOL * abs(want), name
+    """HSDP 2x2, FSDP x TP 2x2 and TP 2: every step's loss and clipped gradient norm (grad_clip 0.5
+    acts on every step), and the evaluation, equal one process's; the evaluation counts each token
+    once (a tensor-parallel group's ranks read the same batch)."""
+    reference, got = _metrics(runs, "reference"), _metrics(runs, name)
+    _assert_close(_losses(runs, name), _losses(runs, "reference"), name)
+    for key in ("grad_norm", "eval_loss"):
+        _assert_close({s: r[key] for s, r in got.items() if key in r},
+                      {s: r[key] for s, r in reference.items() if key in r}, f"{name} {key}")
+    assert got[STEPS]["eval_tokens"] == reference[STEPS]["eval_tokens"], name
+
+
+# how many pieces each rank's share of a weight is: dp_shard x tp (HSDP's replicas hold the same pieces)
+PIECES = {"hsdp-2x2": 2, "fsdp-tp-2x2": 4, "tp-2": 2, "hsdp-2x2-to-fsdp-4": 4, "tp-2-to-1": 1}
+
+
+@pytest.mark.parametrize("name", list(PIECES))
+def test_each_rank_holds_its_share_of_the_mesh(runs, name):
+    """The sharded checkpoint records the pieces the ranks held: a projection weight in dp_shard x tp
+    pieces (so HSDP shards within a replica group only, and tensor parallel really split the layer)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = runs / name / "checkpoints" / f"step-{STEPS:08d}"
+    chunks = FileSystemReader(str(folder)).read_metadata().state_dict_metadata["model.layers.0.attention.wq.weight"].chunks
+    assert len(chunks) == PIECES[name], f"{name}: {[tuple(c.sizes) for c in chunks]}"
 
 
 @pytest.mark.parametrize("name", list(RESHARDS))
