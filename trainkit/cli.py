@@ -260,7 +260,7 @@ trainkit export runs/ddp-mlp/checkpoints/step-00000100 ddp-mlp.pt""")
 trainkit runs
 trainkit runs --experiment resnet152 --limit 5
 trainkit runs --uri http://mlflow:5000""")
-    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the project's mlflow.db: docs/tracking.md)")
     p.add_argument("--experiment", help="only this experiment")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--all", action="store_true", help="also list attempts superseded by a later run of the job")
@@ -272,7 +272,7 @@ trainkit runs --uri http://mlflow:5000""")
 trainkit compare 3f2a 9b1c
 trainkit compare resnet152-ddp resnet152-fsdp --uri http://mlflow:5000""")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run ids (or unique prefixes) or run names")
-    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the project's mlflow.db: docs/tracking.md)")
     p.set_defaults(func=cmd_compare)
 
     p = _command(sub, "ui", "start the MLflow UI on the tracking store (loopback by default)",
@@ -282,7 +282,7 @@ trainkit compare resnet152-ddp resnet152-fsdp --uri http://mlflow:5000""")
 trainkit ui
 trainkit ui --port 5001
 ssh -L 5000:127.0.0.1:5000 gpu-node   # then, on gpu-node: trainkit ui""")
-    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the project's mlflow.db: docs/tracking.md)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; the MLflow UI has no authentication)")
     p.add_argument("--port", type=int, default=5000)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tracking.run import tracking_uri
+from ..tracking.run import store_of, tracking_uri
 
 
 def next_steps(recipe, run_dir: Path, tracked: bool) -> str:
     """The commands that show this run: its bottleneck report, and its MLflow store in a browser.
-    The embedded store is the launch folder's ./mlflow.db, so the `ui` line names it: it works from
-    any folder."""
+    The `ui` line names the store the run went to (the project's mlflow.db, tracking/store.py), so it
+    works from any folder."""
     lines = [f"trainkit: next: trainkit report {run_dir}    # where the time went, and what to change"]
     if tracked:
-        uri = tracking_uri(recipe)
+        uri = store_of(run_dir) or tracking_uri(recipe)
         lines.append(f"trainkit: next: trainkit ui --uri {uri}    # the run in MLflow" if not
                      uri.startswith(("http://", "https://", "databricks")) else
                      f"trainkit: next: open {uri}    # the run in MLflow")

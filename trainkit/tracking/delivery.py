@@ -17,6 +17,7 @@ from typing import Any, Optional
 from ..recipe.secrets import mask_uri_credentials
 from . import credentials
 from .spool import Spool, note_tear
+from .store import embedded_uri
 
 # Fail fast instead of MLflow's default minutes of retries: the spool keeps what fails.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -25,10 +26,10 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 MAX_METRICS, MAX_PARAMS_TAGS = 1000, 100
 
 
-def default_uri() -> str:
-    """MLFLOW_TRACKING_URI (credentials moved to the environment), else the embedded SQLite store in
-    the current folder (MLflow's default)."""
-    return credentials.from_environment() or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+def default_uri(recipe_file: Optional[Path] = None) -> str:
+    """MLFLOW_TRACKING_URI (credentials moved to the environment), else the project's embedded SQLite
+    store (store.py: the repository holding the recipe, or the current folder)."""
+    return credentials.from_environment() or embedded_uri(recipe_file)
 
 
 def artifact_root_for(uri: str) -> Optional[str]:

@@ -79,10 +79,16 @@ def run_tags(recipe, environment: dict) -> dict[str, str]:
     return tags
 
 
-def tracking_uri(recipe) -> str:
+def tracking_uri(recipe, recipe_file: Optional[Path] = None) -> str:
     """Where the recipe's runs go: its `tracking.uri` (credentials moved to the environment), else
-    MLFLOW_TRACKING_URI or the embedded SQLite store."""
-    return credentials.adopt(recipe.tracking.uri) if recipe.tracking.uri else default_uri()
+    MLFLOW_TRACKING_URI or the embedded SQLite store of the project holding `recipe_file`."""
+    return credentials.adopt(recipe.tracking.uri) if recipe.tracking.uri else default_uri(recipe_file)
+
+
+def store_of(run_dir: Path) -> Optional[str]:
+    """The store the run in RUN_DIR was created in (what its spool recorded), or None."""
+    spool = Spool(run_dir)
+    return spool.state().get("uri") or next((r["uri"] for r in spool.records() if r["op"] == "create"), None)
 
 
 def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: Optional[str] = None,
@@ -102,7 +108,7 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: 
     if not recipe.tracking.enabled:
         return None
     spool = Spool(run_dir)
-    uri = tracking_uri(recipe)
+    uri = tracking_uri(recipe, Path(resolved.files[0]))
     experiment = resolved.redact_text(recipe.tracking.experiment)
     key = hashlib.sha256(f"{job}\n{experiment}\n{recipe.name}".encode()).hexdigest()[:32] if job else uuid.uuid4().hex
     create = [{"op": "create", "uri": uri, "experiment": experiment, "key": key,
@@ -130,7 +136,8 @@ def open_parent_run(run_dir: Path, resolved, run_name: str, tags: dict, params: 
     recipe's store and experiment; returns deliver()'s (pending, error): with the server down, it waits
     in RUN_DIR's spool like a training run's records."""
     Spool(run_dir).append([
-        {"op": "create", "uri": tracking_uri(resolved.recipe), "key": uuid.uuid4().hex, "run_name": run_name,
+        {"op": "create", "uri": tracking_uri(resolved.recipe, Path(resolved.files[0])), "key": uuid.uuid4().hex,
+         "run_name": run_name,
          "experiment": resolved.redact_text(resolved.recipe.tracking.experiment), "ts": _now_ms(), "tags": tags},
         {"op": "params", "params": params}])
     return deliver(run_dir)
