@@ -5,7 +5,8 @@ The models: the built-in transformer, a tiny HF Llama and the example model of d
 Each configuration builds the model twice from one seed: a reference kept whole, as one process runs it,
 and a copy split over the 2 ranks by `apply_tensor_parallel`. Both take 3 AdamW steps on the same
 batches with trainkit's next-token loss; rank 0 writes the relative differences (loss, gradients and
-weights gathered with full_tensor, the worst over both ranks) and how the copy was split.
+weights gathered with full_tensor, the worst over both ranks) and how the copy was split, and the
+refusals of HF models trainkit cannot split (here, where transformers is imported anyway).
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def features(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 16, generator=generator), torch.randint(0, 8, (BATCH,), generator=generator)
 
 
+HF_REFUSED = {  # configs whose transformers plan trainkit must refuse to split
+    "no plan (gpt2)": dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB),
+    "untranslated style (qwen3)": dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
+                                       tie_word_embeddings=False),
+    "tied embeddings (llama)": dict(LLAMA, num_hidden_layers=1, tie_word_embeddings=True),
+}
 MODELS = {  # name: (build, a batch from a generator)
     "transformer": (lambda: transformer(vocab_size=VOCAB, dim=32, layers=2, heads=4, kv_heads=2, seq_len=SEQ), tokens),
     "hf_llama": (lambda: hf_causal_lm(config=LLAMA), tokens),
@@ -100,6 +108,14 @@ def compare(build, batch, tp_mesh, *, loss_parallel: bool) -> dict:
     return out
 
 
+def refusal(config: dict) -> str:
+    try:
+        hf_causal_lm(config=config).tensor_parallel_plan()
+    except RuntimeError as e:
+        return str(e)
+    return "not refused"
+
+
 def main(path: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -107,6 +123,7 @@ def main(path: str) -> None:
     results = {f"{name} loss_parallel={lp}": compare(build, batch, tp_mesh, loss_parallel=lp)
                for name, (build, batch) in MODELS.items() for lp in (False, True)}
     if dist.get_rank() == 0:
+        results["hf refusals"] = {name: refusal(config) for name, config in HF_REFUSED.items()}
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()  # no rank leaves while another still talks to it (gloo aborts on a closed peer)

@@ -4,26 +4,24 @@ train as one process does: the loss, every gradient and every weight of 3 AdamW 
 relative 1e-5, with and without loss parallel.
 
 All six configurations run in one 2-process torchrun launch (tensor_parallel_runs.py), shared by the
-tests here. The refusals (a model without a plan, an HF family transformers gives none) are in-process.
+tests here, with the refusals of HF models that cannot be split (transformers is slow to import).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 from run_helpers import env_for
 from tensor_parallel_runs import docs_example
 from trainkit.models import mlp
-from trainkit.models.hf import hf_causal_lm
 from trainkit.strategies.tensor_parallel import apply_tensor_parallel
 
 RUNS = Path(__file__).parent / "tensor_parallel_runs.py"
@@ -106,16 +104,10 @@ def test_a_model_without_a_plan_is_refused_by_its_class_name():
 
 
 @pytest.mark.parametrize(("config", "refusal"), [
-    (dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=4, vocab_size=64),
-     r"transformers declares no tensor-parallel plan for GPT2LMHeadModel .*use parallel.tp: 1"),
-    (dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-          num_key_value_heads=2, head_dim=8, vocab_size=64, tie_word_embeddings=False),
-     r"shards model\.layers\.\*\.self_attn\.q_norm as 'replicated_with_grad_allreduce', which trainkit does not "
-     r"translate"),
-    (dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-          vocab_size=64, tie_word_embeddings=True),
-     r"LlamaForCausalLM ties its input and output embeddings"),
-], ids=["no plan (gpt2)", "untranslated style (qwen3)", "tied embeddings (llama)"])
-def test_an_hf_model_without_a_translatable_plan_is_refused(config, refusal):
-    with pytest.raises(RuntimeError, match=refusal):
-        hf_causal_lm(config=config).tensor_parallel_plan()
+    ("no plan (gpt2)", r"^transformers declares no tensor-parallel plan for GPT2LMHeadModel .*use parallel.tp: 1"),
+    ("untranslated style (qwen3)", r"shards model\.layers\.\*\.self_attn\.q_norm as 'replicated_with_grad_allreduce', "
+                                   r"which trainkit does not translate"),
+    ("tied embeddings (llama)", r"^LlamaForCausalLM ties its input and output embeddings"),
+])
+def test_an_hf_model_without_a_translatable_plan_is_refused(results, config, refusal):
+    assert re.search(refusal, results["hf refusals"][config]), results["hf refusals"][config]
