@@ -49,7 +49,7 @@ def test_aliases_from_other_frameworks_are_suggested_never_accepted(tmp_path):
               "precision=bf16-mixed", cwd=tmp_path)
     lines = res.stderr.splitlines()
     assert "override 'max_steps=20': max_steps: unknown key 'max_steps'; did you mean 'trainer.max_steps'? " \
-           "(accepted: name, seed, model, task, data, strategy, precision, optimizer, scheduler, trainer, launch, " \
+           "(accepted: name, seed, model, task, data, strategy, parallel, precision, optimizer, scheduler, trainer, launch, " \
            "performance, monitors, tracking)" in lines
     assert "override 'optimizer.learning_rate=0.1': optimizer.learning_rate: unknown key 'learning_rate'; did " \
            "you mean 'lr'? (accepted: name, lr, betas, eps, weight_decay)" in lines

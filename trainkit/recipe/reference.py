@@ -15,8 +15,8 @@ from pydantic_core import PydanticUndefined
 
 from .. import registry
 from .blocks import (
-    CheckpointOptions, LaunchOptions, ModelSpec, PerformanceOptions, SchedulerOptions, SGDOptions, AdamOptions,
-    TrackingOptions, TrainerOptions,
+    CheckpointOptions, LaunchOptions, ModelSpec, ParallelOptions, PerformanceOptions, SchedulerOptions, SGDOptions,
+    AdamOptions, TrackingOptions, TrainerOptions,
 )
 from .schema import PLUGIN_FIELDS, Recipe
 
@@ -84,6 +84,7 @@ def reference_markdown(builtin_only: bool = True) -> str:
     for title, model in (("model", ModelSpec), ("optimizer: sgd", SGDOptions), ("optimizer: adam / adamw", AdamOptions),
                          ("scheduler", SchedulerOptions), ("trainer", TrainerOptions),
                          ("trainer.checkpoint", CheckpointOptions), ("launch", LaunchOptions),
+                         ("parallel", ParallelOptions),
                          ("performance", PerformanceOptions), ("tracking", TrackingOptions)):
         out += [f"## `{title}`", ""]
         if model.__doc__:
