@@ -19,6 +19,7 @@ regenerate docs/compatibility.md: `python -m trainkit.recipe.compatibility --mar
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -36,7 +37,8 @@ from grid_runs import Outcome, problems_of, record, run_grid
 from run_helpers import trainkit
 from trainkit.recipe.compatibility import declared_cells, statuses
 from trainkit.recipe.compatibility.page import COMMAND, RESULTS, load_results, markdown
-from trainkit.recipe.compatibility.pairwise import all_pairs
+from trainkit.recipe.compatibility.grid import INITS, MODELS, OPTIONS, PRECISIONS, STRATEGIES, refused_pairs
+from trainkit.recipe.compatibility.pairwise import all_pairs, covering_rows
 from strategy_runs import deepspeed_env
 
 GRID_TIMEOUT_S = 1500
@@ -129,3 +131,42 @@ def test_the_page_generator_is_a_command_without_torch():
             "assert 'torch' not in sys.modules, 'imported torch'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("# Compatibility"), out.stderr
+
+
+def test_the_refusal_aware_pairs_cover_what_some_accepted_row_holds_with_accepted_rows_only():
+    """Against the brute-force answer: with a rule refusing x with p, and refusing z unless w, every
+    pair some accepted row holds is held by an accepted row, the rows are all accepted, and exactly the
+    pairs no accepted row can hold (x-p, and z with anything but w) are listed as refused."""
+    axes = {"a": list("xyz"), "b": list("pq"), "c": list("uvw")}
+
+    def refusals(row):
+        return tuple(why for why, refused in (("x with p", row["a"] == "x" and row["b"] == "p"),
+                                               ("z needs w", row["a"] == "z" and row["c"] != "w")) if refused)
+
+    pairs = lambda row: {(a, row[a], b, row[b]) for a in axes for b in axes if a < b}  # noqa: E731
+    every_row = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+    acceptable = set().union(*(pairs(r) for r in every_row if not refusals(r)))
+    covering = covering_rows(axes, refusals)
+    assert covering.rows and not any(refusals(r) for r in covering.rows)
+    assert set().union(*(pairs(r) for r in covering.rows)) == acceptable
+    assert set(covering.refused) == set().union(*(pairs(r) for r in every_row)) - acceptable
+    assert ("a", "x", "b", "p") in covering.refused and all(refusals(r) for r in covering.refused.values())
+    assert covering_rows(axes, refusals) == covering
+
+
+def test_every_pair_of_the_grid_is_held_by_an_accepted_cell_or_listed_as_refused():
+    """Issue 26's leftover: hf-llama with selective checkpointing or compile appeared only in rows
+    refused for another reason (hf-llama + seeded init), so they were never trained. Now every pair of
+    axis values is held by a cell validate accepts, or every combination holding it is refused."""
+    declared = statuses(declared_cells())
+    accepted = [s.cell for s in declared if not s.refused]
+    axes = ("strategy", "option", "precision", "model", "init")
+    held = {(a, getattr(c, a), b, getattr(c, b)) for c in accepted for a, b in itertools.combinations(axes, 2)}
+    assert ("option", "checkpointing-selective", "model", "hf-llama") in held
+    assert ("option", "compile", "model", "hf-llama") in held
+    refused = refused_pairs()
+    assert all(s.refused for s in statuses(refused.values()))
+    assert ("model", "hf-llama", "init", "seeded") in refused and not held & set(refused)
+    values = {"strategy": STRATEGIES, "option": OPTIONS, "precision": PRECISIONS, "model": MODELS, "init": INITS}
+    every = {(a, va, b, vb) for a, b in itertools.combinations(axes, 2) for va in values[a] for vb in values[b]}
+    assert held | set(refused) == every

@@ -1,6 +1,7 @@
-"""The compatibility matrix (issue 26): the declared grid of combinations (`grid`), a deterministic
-all-pairs generator (`pairwise`), each cell's status from `trainkit validate`'s own rules
-(`status`), the recorded verification results and the generated docs/compatibility.md (`page`).
+"""The compatibility matrix (issue 26): the declared grid of combinations (`grid`), a deterministic,
+refusal-aware all-pairs generator (`pairwise`), each cell's status from `trainkit validate`'s own rules
+(`status`), the recorded verification results (`results`) and the generated docs/compatibility.md
+(`page`).
 
 Light like the rest of the recipe layer: no torch import. The runner that trains the cells is
 `trainkit.runtime.cell_runner`; `python -m trainkit.recipe.compatibility --markdown` prints the page.

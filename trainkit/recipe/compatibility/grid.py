@@ -10,7 +10,12 @@ run in CI on 2 CPU cores, 3 optimizer steps per cell.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Optional
+
+from .pairwise import Covering, covering_rows
+from .results import load_results, refused_on
+from .status import refusals
 
 STEPS = 3  # checkpoints at step 2 and 3: the resume check restarts from step 2
 WORLD = 2  # ranks of every cell (the one-process reference runs the same recipe on 1)
@@ -160,12 +165,28 @@ def core_cells() -> list[Cell]:
 
 
 def pairwise_cells() -> list[Cell]:
-    """A covering set of every pair of (strategy, option, precision, model, init) values."""
-    from .pairwise import all_pairs
+    """Accepted cells that, with the core grid, hold every pair of (strategy, option, precision, model,
+    init) values that any combination `validate` accepts holds (pairwise.covering_rows)."""
+    return [Cell(**row) for row in _pair_covering().rows]
 
-    axes = {"strategy": list(STRATEGIES), "option": [o for o in OPTIONS if o != "none"],
-            "precision": list(PRECISIONS), "model": list(MODELS), "init": list(INITS)}
-    return [Cell(**row) for row in all_pairs(axes)]
+
+def refused_pairs() -> dict[tuple[str, str, str, str], Cell]:
+    """(axis, value, axis, value) -> a refused cell holding it, for each pair every combination holding
+    it is refused: nothing of it can train, and the cell's refusals say why."""
+    return {pair: Cell(**row) for pair, row in _pair_covering().refused.items()}
+
+
+@lru_cache(maxsize=None)
+def _pair_covering() -> Covering:
+    axes = {"strategy": list(STRATEGIES), "option": list(OPTIONS), "precision": list(PRECISIONS),
+            "model": list(MODELS), "init": list(INITS)}
+    core = [{"strategy": c.strategy, "option": c.option, "precision": c.precision, "model": c.model,
+             "init": c.init} for c in core_cells()]
+    # pairs the CI's CPU refused in every core cell holding them (DeepSpeed's fp16): trained on the CPU in
+    # no row, so other rows hold the option pairs where they can
+    on_cpu = refused_on("cpu", core, [c.id for c in core_cells()], load_results())
+    return covering_rows(axes, lambda row: refusals(Cell(**row)), given=core,
+                         avoid=lambda row: any((a, row[a], b, row[b]) in on_cpu for a in row for b in row))
 
 
 # combinations that crashed at run time on a ResNet (issue 26) and that neither set above holds

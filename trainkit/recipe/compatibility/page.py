@@ -5,27 +5,22 @@ tests/test_compatibility.py checks the committed page equals it."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from .grid import BF16_PARAMETERS, LATER_STEPS_WITH_BATCHNORM, MODELS, OPTIONS, PRECISIONS, REGRESSIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
-    pairwise_cells
+    pairwise_cells, refused_pairs
+from .results import RESULTS, load_results
 from .status import Status, statuses
 
-RESULTS = Path(__file__).resolve().parents[3] / "docs" / "compatibility-results.json"
 COMMAND = "python -m trainkit.recipe.compatibility --markdown > docs/compatibility.md"
-
-
-def load_results(path: Path = RESULTS) -> dict[str, Any]:
-    """{cell id: {device kind: record}}: what the last verification run found for each cell."""
-    return json.loads(path.read_text())["cells"] if path.is_file() else {}
 
 
 def markdown(results: dict[str, Any]) -> str:
     core, pairs, regressions = statuses(core_cells()), statuses(pairwise_cells()), statuses(REGRESSIONS)
+    refused_pairs_ = refused_pairs()
+    only_refused = dict(zip(refused_pairs_, statuses(refused_pairs_.values())))
     refusals: dict[str, int] = {}
-    for status in core + pairs + regressions:
+    for status in core + pairs + regressions + list(only_refused.values()):
         for message in status.refusals:
             refusals.setdefault(message, len(refusals) + 1)
     for status in core + pairs + regressions:  # then what `trainkit run`'s preflight refused on a device
@@ -38,10 +33,19 @@ def markdown(results: dict[str, Any]) -> str:
     for model in MODELS:
         lines += _core_table(model, [s for s in core if s.cell.model == model], results, refusals)
     lines += ["## Pairs: strategy x performance option x precision x model family x init", "",
-              "Every pair of values of any two of these axes appears in at least one row (a deterministic "
-              "all-pairs set, `trainkit/recipe/compatibility/pairwise.py`).", "",
+              "Every pair of values of any two of these axes (option `none` included) that some combination "
+              "`trainkit validate` accepts holds is held by at least one accepted cell: a core cell above or a "
+              "row here (a deterministic, refusal-aware all-pairs set, "
+              "`trainkit/recipe/compatibility/pairwise.py`, with as few rows as its greedy search finds). The "
+              "pairs that every combination holding them is refused are listed after the table.", "",
               "| strategy | option | precision | model | init | status |", "|---|---|---|---|---|---|"]
     lines += _rows(pairs, results, refusals)
+    lines += ["", "### Pairs that only refused combinations hold", "",
+              "Every combination holding one of these pairs is refused by `trainkit validate`; the cell shown "
+              "is one of them, refused for the fewest reasons.", "",
+              "| pair | cell | status |", "|---|---|---|"]
+    lines += [f"| {a} {va} x {b} {vb} | {s.cell.id} | {_verdict(s, results, refusals)} |"
+              for (a, va, b, vb), s in only_refused.items()]
     lines += ["", "## Combinations that crashed before (issue 26)", "",
               "| strategy | option | precision | model | init | status |", "|---|---|---|---|---|---|"]
     lines += _rows(regressions, results, refusals)

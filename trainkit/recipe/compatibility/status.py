@@ -7,13 +7,15 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import yaml
 
 from ..problems import RecipeError
 from ..resolver import resolve
-from .grid import Cell
+
+if TYPE_CHECKING:  # grid asks this module for refusals while declaring its cells
+    from .grid import Cell
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,11 @@ def statuses(cells: Iterable[Cell]) -> list[Status]:
     """Each cell's status, from validating its recipe exactly as `trainkit validate FILE` would."""
     with tempfile.TemporaryDirectory(prefix="trainkit-grid-") as folder:
         return [_status(cell, Path(folder)) for cell in cells]
+
+
+def refusals(cell: Cell) -> tuple[str, ...]:
+    """validate's messages for one cell (empty: accepted)."""
+    return statuses([cell])[0].refusals
 
 
 def _status(cell: Cell, folder: Path) -> Status:
