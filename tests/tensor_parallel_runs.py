@@ -108,6 +108,16 @@ def compare(build, batch, tp_mesh, *, loss_parallel: bool) -> dict:
     return out
 
 
+def uneven_sequence_refusal(tp_mesh) -> str:
+    """What the transformer says to a sequence that its sequence-parallel plan cannot split evenly."""
+    model = apply_tensor_parallel(MODELS["transformer"][0](), tp_mesh, loss_parallel=False)
+    try:
+        model(torch.zeros(BATCH, SEQ - 1, dtype=torch.long))
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
 def refusal(config: dict) -> str:
     try:
         hf_causal_lm(config=config).tensor_parallel_plan()
@@ -122,6 +132,7 @@ def main(path: str) -> None:
     tp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     results = {f"{name} loss_parallel={lp}": compare(build, batch, tp_mesh, loss_parallel=lp)
                for name, (build, batch) in MODELS.items() for lp in (False, True)}
+    results["uneven sequence"] = uneven_sequence_refusal(tp_mesh)  # every rank refuses before any collective
     if dist.get_rank() == 0:
         results["hf refusals"] = {name: refusal(config) for name, config in HF_REFUSED.items()}
         with open(path, "w") as f:

@@ -84,6 +84,12 @@ def test_loss_parallel_keeps_the_logits_sharded_on_the_vocabulary(results, model
     assert results[f"{model} loss_parallel=False"]["logits"] == "plain"
 
 
+def test_the_transformer_refuses_a_sequence_tp_does_not_divide(results):
+    assert results["uneven sequence"] == ("a sequence of 15 tokens does not split over tp 2 ranks: the transformer's "
+                                          "tensor-parallel plan shards the sequence between its blocks (sequence "
+                                          "parallel); make data.seq_len a multiple of 2")
+
+
 def test_the_docs_example_model_is_split_as_its_plan_says(results):
     split = results["docs_example loss_parallel=False"]["placements"]
     assert (split["up.weight"], split["up.bias"], split["head.weight"], split["head.bias"]) == ("S(0)", "S(0)", "S(1)", "R")

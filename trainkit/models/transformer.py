@@ -13,6 +13,7 @@ is cast to bf16 by DeepSpeed or sharded by FSDP).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -148,7 +149,7 @@ class Transformer(nn.Sequential):
 
         to_whole_sequence = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         return {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "tok_embeddings": sequence_sharded_embedding(),
             "layers.*.attention_norm": SequenceParallel(),
             "layers.*.attention": PrepareModuleInput(**to_whole_sequence),
             "layers.*.attention.wq": ColwiseParallel(),
@@ -169,6 +170,29 @@ class Transformer(nn.Sequential):
         if tokens.shape[-1] > self.config.seq_len:
             raise ValueError(f"sequence of {tokens.shape[-1]} tokens; the model is built for {self.config.seq_len}")
         return super().forward(tokens)
+
+
+def sequence_sharded_embedding() -> ParallelStyle:
+    """The embedding split on the vocabulary, its output split on the sequence (torchtitan's), refusing
+    first a sequence that does not split evenly over the tp ranks: uneven shards break the collectives of
+    the blocks that follow (gloo aborts the process)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class SequenceShardedEmbedding(RowwiseParallel):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            module.register_forward_pre_hook(partial(refuse_uneven_sequence, tp=device_mesh.size()))
+            return super()._apply(module, device_mesh)
+
+    return SequenceShardedEmbedding(input_layouts=Replicate(), output_layouts=Shard(1))
+
+
+def refuse_uneven_sequence(_module: nn.Module, args: tuple, *, tp: int) -> None:
+    length = args[0].shape[-1]
+    if length % tp:
+        raise ValueError(f"a sequence of {length} tokens does not split over tp {tp} ranks: the transformer's "
+                         f"tensor-parallel plan shards the sequence between its blocks (sequence parallel); make "
+                         f"data.seq_len a multiple of {tp}")
 
 
 def transformer(*, vocab_size: int, dim: int = 256, layers: int = 4, heads: int = 4, kv_heads: Optional[int] = None,
