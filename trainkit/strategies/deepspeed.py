@@ -3,8 +3,9 @@
 `ds_config_for(recipe)` is the single place the DeepSpeed config is made: the strategy block
 (zero_stage, offloads, pass-through `config`) plus precision, grad_accum_steps, grad_clip and the
 batch size. `trainkit plan` prints it and preflight runs it through DeepSpeed's own parser
-(`DeepSpeedConfig`) before anything starts. The optimizer is trainkit's own torch optimizer
-(no compiled fused/CPU Adam needed); DeepSpeed owns accumulation, clipping and its checkpoints.
+(`DeepSpeedConfig`) before anything starts. The optimizer is trainkit's own torch optimizer, except
+under optimizer offload, where DeepSpeed's CPU Adam steps the offloaded state (`cpu_adam`);
+DeepSpeed owns accumulation, clipping and its checkpoints.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..runtime.files import fsync_save
 from ..runtime.materialize import check_seedable, owners, seeded_values
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy, replicated_buffers
-from .deepspeed_ops import announce_build
+from .deepspeed_ops import announce_build, announce_cpu_adam_build
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
 
@@ -67,7 +68,8 @@ def ds_config_for(recipe) -> dict:
         "gradient_clipping": float(t.grad_clip) if t.grad_clip else 0.0,  # DeepSpeed's default is 1.0, not off
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # trainkit's torch optimizer
-        "zero_force_ds_cpu_optimizer": False,  # ... also with optimizer offload (no compiled CPU Adam)
+        # offload: DeepSpeed's CPU Adam, or (its reason printed) the torch optimizer DeepSpeed would refuse
+        "zero_force_ds_cpu_optimizer": s.runs_cpu_adam(recipe),
         "steps_per_print": 2**31 - 1,
     }
     if recipe.precision == "bf16":
@@ -143,7 +145,7 @@ class DeepSpeedStrategy(Strategy):
         deepspeed = _import_deepspeed()
         self.config = ds_config_for(self.recipe)
         apply_activation_checkpointing(model, self.performance.checkpointing)  # hooks: ZeRO-3 gathers on recompute
-        optimizer = optimizer_factory(model.parameters())
+        optimizer = self._optimizer(model, optimizer_factory)
         announce_build()  # the engine starts DeepSpeed's comm: its CPU op may be compiled first
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                dist_init_required=False)
@@ -155,6 +157,20 @@ class DeepSpeedStrategy(Strategy):
         match_batchnorm_buffers(engine.module, self.input_dtype)
         # The scheduler steps the torch optimizer's param_groups, which the ZeRO optimizer shares.
         return engine, optimizer
+
+    def _optimizer(self, model: nn.Module, optimizer_factory) -> torch.optim.Optimizer:
+        """Optimizer offload steps in DeepSpeed's CPU Adam (its warning: a torch optimizer there 'in most
+        cases will yield poor performance'); what it cannot run stays a torch optimizer, with the reason."""
+        if self.options.runs_cpu_adam(self.recipe):
+            if self.rank == 0:
+                print(f"trainkit: optimizer offload steps in DeepSpeed's CPU Adam ({self.recipe.optimizer.name})",
+                      flush=True)
+            return cpu_adam(self.recipe.optimizer, model.parameters())
+        reason = self.options.torch_optimizer_reason(self.recipe)
+        if reason and self.rank == 0:
+            print(f"trainkit: note: optimizer offload steps in torch's {self.recipe.optimizer.name}, not "
+                  f"DeepSpeed's CPU Adam: {reason}", flush=True)
+        return optimizer_factory(model.parameters())
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's bf16/fp16 modules need inputs of their dtype (the caller's job)."""
@@ -282,6 +298,17 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
+
+
+def cpu_adam(options, params) -> torch.optim.Optimizer:
+    """The recipe's adam/adamw as DeepSpeed's CPU Adam: lr, betas, eps and weight_decay one to one;
+    adam's weight decay is an L2 term on the gradient (adamw_mode false), adamw's is decoupled."""
+    _import_deepspeed()
+    announce_cpu_adam_build()
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, lr=options.lr, betas=tuple(options.betas), eps=options.eps,
+                            weight_decay=options.weight_decay, adamw_mode=options.name == "adamw")
 
 
 def _have_ninja_module() -> bool:

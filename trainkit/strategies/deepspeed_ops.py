@@ -1,4 +1,4 @@
-"""DeepSpeed's CPU communication op: say so before DeepSpeed spends half a minute compiling it.
+"""DeepSpeed's JIT-built CPU ops: say so before DeepSpeed spends a minute compiling one.
 
 Why: on the CPU accelerator, DeepSpeed's comm backend loads its shared-memory collective op
 (`ShareMemCommBuilder`, `deepspeed_shm_comm`) when the engine (or ZeRO-3's `zero.Init`) initializes
@@ -9,6 +9,9 @@ output (the loader is called with verbose=False). The result is cached in torch'
 load it in well under a second. The README's set-up cannot build it at install time (it installs
 DeepSpeed from a wheel, and `DS_BUILD_SHM_COMM=1` needs a source build), so trainkit says what is
 happening instead, with the folder that keeps the result.
+
+The same holds for DeepSpeed's CPU Adam (`CPUAdamBuilder`, `cpu_adam`), which optimizer offload steps
+in: built on first use, about 60 s on 2 cores (AVX kernels), cached beside the comm op.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ from pathlib import Path
 from typing import Optional
 
 
-def pending_build() -> Optional[Path]:
-    """The folder DeepSpeed's CPU comm op will be compiled into when the next comm init must build
-    it first (CPU accelerator, op compatible, not prebuilt, not in torch's extension cache); else None.
-    The conditions are DeepSpeed's own (`deepspeed.comm.torch.build_shm_op`, `OpBuilder.load`)."""
+COMM_OP = "ShareMemCommBuilder"
+CPU_ADAM_OP = "CPUAdamBuilder"
+
+
+def pending_build(builder_name: str = COMM_OP) -> Optional[Path]:
+    """The folder a DeepSpeed op will be compiled into when its next use must build it first (op
+    compatible, not prebuilt, not in torch's extension cache); else None. The conditions are
+    DeepSpeed's own (`deepspeed.comm.torch.build_shm_op`, `OpBuilder.load`)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
     from torch.utils.cpp_extension import _get_build_directory
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return None  # DeepSpeed uses gloo's collectives: nothing to build
     if installed_ops.get(builder.NAME, False):
@@ -46,4 +53,16 @@ def announce_build() -> bool:
         return False
     print(f"trainkit: building DeepSpeed's CPU communication op (deepspeed_shm_comm; once per machine, "
           f"~30 s on 2 cores) into {folder}; later runs load it from there", flush=True)
+    return True
+
+
+def announce_cpu_adam_build() -> bool:
+    """Like `announce_build`, for DeepSpeed's CPU Adam (optimizer offload)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    folder = pending_build(CPU_ADAM_OP)
+    if folder is None:
+        return False
+    print(f"trainkit: building DeepSpeed's CPU Adam (cpu_adam, for optimizer offload; once per machine, ~60 s on "
+          f"2 cores) into {folder}; later runs load it from there", flush=True)
     return True
