@@ -188,6 +188,17 @@ def test_resume_on_a_process_that_sees_fewer_gpus_than_the_saver(tmp_path):
     assert "resumed from" in again.output and "step-00000002" in again.output
 
 
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_meshes_on_cuda_with_nccl(tmp_path):
+    """tests/test_parallel_mesh_runs.py on 4 GPUs (issue 30): HSDP 2x2, FSDP x TP 2x2 and TP 2 equal one
+    GPU's losses, a checkpoint resumes on another mesh, and each exports to the plain model."""
+    from test_parallel_mesh_runs import check_all, train_mesh_runs
+
+    train_mesh_runs(tmp_path, device_env={}, side_by_side=False)
+    check_all(tmp_path)
+
+
 def test_bf16_is_not_advised_on_a_gpu_that_only_emulates_it(monkeypatch):
     """(Runs without a GPU too: the capability is faked.) A V100/T4 answers torch.cuda.is_bf16_supported() True (emulation) and False with
     including_emulation=False: the advice's environment must say bf16 is not fast there."""

@@ -59,13 +59,20 @@ def _recipe(ranks: int, parallel: dict | None, batch_size: int, **extra) -> dict
     return out
 
 
-# name -> (ranks, recipe); the runs of one launch train in this order
+# transformers' Llama: its plan leaves the norms whole, so its gradients live on two meshes (clipping)
+HF_LLAMA = {"name": "hf_causal_lm", "init": "constructor", "args": {"config": {
+    "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "max_position_embeddings": 32, "tie_word_embeddings": False}}}
+
+# name -> recipe; the runs of one launch train in this order
 RUNS_4 = {
     "hsdp-2x2": _recipe(4, {"dp_replicate": 2, "dp_shard": 2}, 1),
     "fsdp-tp-2x2": _recipe(4, {"dp_shard": 2, "tp": 2}, 2),
 }
-RUNS_2 = {"tp-2": _recipe(2, {"dp_shard": 1, "tp": 2}, 4)}
-RUNS_1 = {"reference": _recipe(1, None, 4)}
+RUNS_2 = {"tp-2": _recipe(2, {"dp_shard": 1, "tp": 2}, 4),
+          "hf-llama-tp-2": _recipe(2, {"dp_shard": 1, "tp": 2}, 4, model=HF_LLAMA)}
+RUNS_1 = {"reference": _recipe(1, None, 4), "hf-llama-reference": _recipe(1, None, 4, model=HF_LLAMA)}
+REFERENCE = {"hf-llama-tp-2": "hf-llama-reference"}  # the one-process run each is held to; else "reference"
 # resumed on another mesh: name -> (the run whose step-2 checkpoint it starts from, its recipe)
 RESHARDS = {
     "hsdp-2x2-to-fsdp-4": ("hsdp-2x2", _recipe(4, {"dp_shard": 4}, 1)),
@@ -80,14 +87,14 @@ def _write_run(folder: Path, name: str, recipe: dict) -> Path:
     return run_dir
 
 
-def _launch(folder: Path, ranks: int, run_dirs: list[Path]) -> None:
+def _launch(folder: Path, ranks: int, run_dirs: list[Path], device_env: dict) -> None:
     """Train `run_dirs` in one launch (checkpoints kept: the reshard runs resume from them)."""
     spec = folder / f"cells-{ranks}.json"
     spec.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs], "resume": False, "keep_checkpoints": True}))
     head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
             "--master_port", str(free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
     with open(folder / f"cells-{ranks}.log", "w") as log:
-        proc = subprocess.Popen([*head, RUNNER, str(spec)], cwd=folder, env=env_for(folder), stdout=log,
+        proc = subprocess.Popen([*head, RUNNER, str(spec)], cwd=folder, env=env_for(folder, **device_env), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(LAUNCH_TIMEOUT_S)
@@ -96,10 +103,10 @@ def _launch(folder: Path, ranks: int, run_dirs: list[Path]) -> None:
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """Every run of this module trained; the folder holding their run directories."""
-    folder = tmp_path_factory.mktemp("mesh")
+def train_mesh_runs(folder: Path, *, device_env: dict, side_by_side: bool) -> None:
+    """Train every run of this module under `folder`: the 4-rank launch (beside the 2-rank one when
+    `side_by_side`: on the CPU they share the cores; on GPUs each rank needs its own), the 2-rank one,
+    then the one process (it resumes the 2-rank checkpoint). The GPU tier calls this too."""
     _write_corpus(folder)
     launches = {4: dict(RUNS_4), 2: dict(RUNS_2), 1: dict(RUNS_1)}
     for name, (source, recipe) in RESHARDS.items():
@@ -107,12 +114,20 @@ def runs(tmp_path_factory) -> Path:
         ranks = recipe["launch"]["nproc_per_node"]
         launches[ranks][name] = {**recipe, "trainer": {**recipe["trainer"], "resume": str(step2)}}
     dirs = {ranks: [_write_run(folder, name, r) for name, r in runs.items()] for ranks, runs in launches.items()}
-    # the 4-rank launch beside the 2-rank one, then the one process (it resumes the 2-rank checkpoint)
-    four = threading.Thread(target=_launch, args=(folder, 4, dirs[4]))
+    four = threading.Thread(target=_launch, args=(folder, 4, dirs[4], device_env))
     four.start()
-    _launch(folder, 2, dirs[2])
-    _launch(folder, 1, dirs[1])
+    if not side_by_side:
+        four.join()
+    _launch(folder, 2, dirs[2], device_env)
+    _launch(folder, 1, dirs[1], device_env)
     four.join()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every run of this module trained on the CPU (gloo); the folder holding their run directories."""
+    folder = tmp_path_factory.mktemp("mesh")
+    train_mesh_runs(folder, device_env={"CUDA_VISIBLE_DEVICES": ""}, side_by_side=True)
     return folder
 
 
@@ -146,11 +161,16 @@ def _assert_close(got: dict[int, float], want: dict[int, float], what: str) -> N
 
 @pytest.mark.parametrize("name", [*RUNS_4, *RUNS_2])
 def test_mesh_trains_like_one_process(runs, name):
-    """HSDP 2x2, FSDP x TP 2x2 and TP 2: every step's loss and clipped gradient norm (grad_clip 0.5
+    check_trains_like_one_process(runs, name)
+
+
+def check_trains_like_one_process(runs: Path, name: str) -> None:
+    """HSDP 2x2, FSDP x TP 2x2 and TP 2 (the transformer and transformers' Llama): every step's loss and clipped gradient norm (grad_clip 0.5
     acts on every step), and the evaluation, equal one process's; the evaluation counts each token
     once (a tensor-parallel group's ranks read the same batch)."""
-    reference, got = _metrics(runs, "reference"), _metrics(runs, name)
-    _assert_close(_losses(runs, name), _losses(runs, "reference"), name)
+    one = REFERENCE.get(name, "reference")
+    reference, got = _metrics(runs, one), _metrics(runs, name)
+    _assert_close(_losses(runs, name), _losses(runs, one), name)
     for key in ("grad_norm", "eval_loss"):
         _assert_close({s: r[key] for s, r in got.items() if key in r},
                       {s: r[key] for s, r in reference.items() if key in r}, f"{name} {key}")
@@ -158,22 +178,32 @@ def test_mesh_trains_like_one_process(runs, name):
 
 
 # how many pieces each rank's share of a weight is: dp_shard x tp (HSDP's replicas hold the same pieces)
-PIECES = {"hsdp-2x2": 2, "fsdp-tp-2x2": 4, "tp-2": 2, "hsdp-2x2-to-fsdp-4": 4, "tp-2-to-1": 1}
+PIECES = {"hsdp-2x2": 2, "fsdp-tp-2x2": 4, "tp-2": 2, "hsdp-2x2-to-fsdp-4": 4, "tp-2-to-1": 1, "hf-llama-tp-2": 2}
+QUERY_WEIGHT = {"hf-llama-tp-2": "model.model.model.layers.0.self_attn.q_proj.weight"}
 
 
 @pytest.mark.parametrize("name", list(PIECES))
 def test_each_rank_holds_its_share_of_the_mesh(runs, name):
+    check_share_of_each_rank(runs, name)
+
+
+def check_share_of_each_rank(runs: Path, name: str) -> None:
     """The sharded checkpoint records the pieces the ranks held: a projection weight in dp_shard x tp
     pieces (so HSDP shards within a replica group only, and tensor parallel really split the layer)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     folder = runs / name / "checkpoints" / f"step-{STEPS:08d}"
-    chunks = FileSystemReader(str(folder)).read_metadata().state_dict_metadata["model.layers.0.attention.wq.weight"].chunks
+    key = QUERY_WEIGHT.get(name, "model.layers.0.attention.wq.weight")
+    chunks = FileSystemReader(str(folder)).read_metadata().state_dict_metadata[key].chunks
     assert len(chunks) == PIECES[name], f"{name}: {[tuple(c.sizes) for c in chunks]}"
 
 
 @pytest.mark.parametrize("name", list(RESHARDS))
 def test_checkpoint_resumes_on_another_mesh(runs, name):
+    check_resumes_on_another_mesh(runs, name)
+
+
+def check_resumes_on_another_mesh(runs: Path, name: str) -> None:
     """A step-2 checkpoint of one mesh, loaded on another, redoes step 3 with the same batch and the
     same model: its loss is the original run's and one process's step 3."""
     source = RESHARDS[name][0]
@@ -185,6 +215,10 @@ def test_checkpoint_resumes_on_another_mesh(runs, name):
 
 @pytest.mark.parametrize("name", [*RUNS_4, *RUNS_2, *RESHARDS])
 def test_export_consolidates_the_plain_model(runs, name):
+    check_export(runs, name)
+
+
+def check_export(runs: Path, name: str) -> None:
     """`trainkit export` of an HSDP / TP / resharded checkpoint: the plain transformer's state_dict,
     loaded strict, holding the one-process run's final weights (each tensor within RTOL of its norm:
     AdamW's first steps divide by tiny second moments, so single elements say little)."""
@@ -195,7 +229,20 @@ def test_export_consolidates_the_plain_model(runs, name):
     _, state = consolidated_state_dict(runs / name / "checkpoints" / f"step-{STEPS:08d}")
     model = build_model(resolve(runs / name / "recipe.yaml").recipe.model)
     model.load_state_dict(state, strict=True)
-    _, reference = consolidated_state_dict(runs / "reference" / "checkpoints" / f"step-{STEPS:08d}")
+    one = REFERENCE.get(name, "reference")
+    _, reference = consolidated_state_dict(runs / one / "checkpoints" / f"step-{STEPS:08d}")
     for key, want in reference.items():
         off = ((state[key].double() - want.double()).norm() / want.double().norm()).item()
         assert off <= RTOL, f"{name}: {key} differs from one process's by {off:.2e} of its norm"
+
+
+def check_all(runs: Path) -> None:
+    """Every check of this module on every run (the GPU tier's one test)."""
+    for name in [*RUNS_4, *RUNS_2]:
+        check_trains_like_one_process(runs, name)
+    for name in PIECES:
+        check_share_of_each_rank(runs, name)
+    for name in RESHARDS:
+        check_resumes_on_another_mesh(runs, name)
+    for name in [*RUNS_4, *RUNS_2, *RESHARDS]:
+        check_export(runs, name)

@@ -128,24 +128,36 @@ def fill_shards(model: nn.Module, seed: int, device: torch.device) -> None:
                     param.copy_(full)
 
 
-def mesh_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients as one vector, as a plain tensor. torchtitan's `clip_grad_norm_`
-    takes `get_total_norm` of the DTensors and `full_tensor()`s the partial result; that needs every
-    gradient on one mesh, and under HSDP x TP a parameter the plan leaves whole lives on the
-    data-parallel mesh while the others live on ("dp_replicate", "dp_shard", "tp"). So: one norm per
-    mesh (each reduced over its own mesh by full_tensor), then combined."""
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by their DTensor mesh (plain tensors in a group of their own): a foreach op or a
+    norm over DTensors needs one mesh, and under FSDP x TP a parameter the plan leaves whole (a norm
+    of transformers' Llama) lives on the data-parallel mesh while the split ones live on ("dp_shard",
+    "tp")."""
     from torch.distributed.tensor import DTensor
 
-    by_mesh: dict = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
+def clip_grad_norm_on_meshes(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torchtitan's `clip_grad_norm_` (`get_total_norm` of the DTensor gradients, `full_tensor()` of
+    the partial result, `clip_grads_with_norm_`) done per gradient mesh: one norm per mesh, each
+    reduced over its own mesh, combined into the global norm, and each mesh's gradients scaled by it."""
+    from torch.distributed.tensor import DTensor
+
+    groups = by_mesh([p for p in params if p.grad is not None])
     norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -242,11 +254,8 @@ class FSDPStrategy(Strategy):
         return off()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Global norm over the DTensor gradient shards (`mesh_grad_norm`)."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        total = mesh_grad_norm([p.grad for p in params])
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        """Global norm over the DTensor gradient shards of every mesh (`clip_grad_norm_on_meshes`)."""
+        return clip_grad_norm_on_meshes(list(model.parameters()), max_norm)
 
     def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
         """What this rank holds: its shard of each sharded parameter (never a gathered one), and the
