@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
 
+from .meshes import MESH_ROWS, data_parallel, mesh_block
 from .pairwise import Covering, covering_rows
 from .results import load_results, refused_on
 from .status import refusals
@@ -106,17 +107,20 @@ class Cell:
     precision: str
     option: str = "none"
     init: str = "seeded"
+    mesh: str = "none"  # a parallel: block (meshes.mesh_block)
 
     @property
     def id(self) -> str:
-        return "__".join((self.strategy, self.model, self.precision, self.option, self.init))
+        mesh = () if self.mesh == "none" else (self.mesh,)
+        return "__".join((self.strategy, self.model, self.precision, self.option, self.init, *mesh))
 
     def recipe(self) -> dict[str, Any]:
         """The whole recipe this cell is: the base, then each axis's fragment merged in."""
         out = merge(BASE, {"name": self.id.replace("+", "-")})
         model = {k: v for k, v in MODELS[self.model].items() if k not in ("statistics_per_rank", "core_init")}
         for fragment in (model, {"strategy": strategy_block(self.strategy, self.model)},
-                         PRECISIONS[self.precision], OPTIONS[self.option], INITS[self.init]):
+                         PRECISIONS[self.precision], OPTIONS[self.option], INITS[self.init],
+                         mesh_block(self.mesh, WORLD)):
             out = merge(out, fragment)
         return out
 
@@ -133,7 +137,8 @@ class Cell:
         recipe = self.recipe()
         block, batch = recipe["strategy"], recipe["data"]["batch_size"]
         microbatches = block.get("microbatches", 1)
-        replicas = block.get("data_parallel", 1) if "microbatches" in block else WORLD
+        replicas = block.get("data_parallel", 1) if "microbatches" in block else \
+            data_parallel(recipe, WORLD) if "parallel" in recipe else WORLD
         ranks = replicas if MODELS[self.model].get("statistics_per_rank") else 1
         accum = recipe["trainer"].get("grad_accum_steps", 1) * microbatches
         reference = merge(recipe, {"strategy": {"name": "ddp"}, "launch": {"nproc_per_node": ranks},
@@ -141,6 +146,7 @@ class Cell:
                                    "trainer": {"grad_accum_steps": accum},
                                    "performance": {"compile": False}})
         reference["strategy"] = {"name": "ddp"}
+        reference.pop("parallel", None)
         return reference, ranks
 
 
@@ -195,11 +201,14 @@ REGRESSIONS = [
     Cell("fsdp", "resnet18", "fp32", "compile"),  # blocks of one class, different shapes: InductorError
 ]
 
+# every combination a parallel: block makes (issue 30; meshes.py says which and why)
+MESH_CELLS = [Cell(*row) for row in MESH_ROWS]
+
 
 def declared_cells() -> list[Cell]:
     """The grid: the core cells, then the pairwise ones and the regressions not already among them."""
     out: list[Cell] = []
-    for cell in core_cells() + pairwise_cells() + REGRESSIONS:
+    for cell in core_cells() + pairwise_cells() + REGRESSIONS + MESH_CELLS:
         if cell not in out:
             out.append(cell)
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .grid import BF16_PARAMETERS, LATER_STEPS_WITH_BATCHNORM, MODELS, OPTIONS, PRECISIONS, REGRESSIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
+from .grid import BF16_PARAMETERS, LATER_STEPS_WITH_BATCHNORM, MESH_CELLS, MODELS, OPTIONS, PRECISIONS, REGRESSIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
     pairwise_cells, refused_pairs
 from .results import RESULTS, load_results
 from .status import Status, statuses
@@ -17,6 +17,7 @@ COMMAND = "python -m trainkit.recipe.compatibility --markdown > docs/compatibili
 
 def markdown(results: dict[str, Any]) -> str:
     core, pairs, regressions = statuses(core_cells()), statuses(pairwise_cells()), statuses(REGRESSIONS)
+    meshes = statuses(MESH_CELLS)
     refused_pairs_ = refused_pairs()
     only_refused = dict(zip(refused_pairs_, statuses(refused_pairs_.values())))
     refusals: dict[str, int] = {}
@@ -27,6 +28,10 @@ def markdown(results: dict[str, Any]) -> str:
         for record in results.get(status.cell.id, {}).values():
             for message in record.get("why", []):
                 refusals.setdefault(message, len(refusals) + 1)
+    for status in meshes:  # the meshes' (issue 30), numbered after the rest so that their numbers stay put
+        for message in status.refusals + tuple(m for r in results.get(status.cell.id, {}).values()
+                                               for m in r.get("why", [])):
+            refusals.setdefault(message, len(refusals) + 1)
     lines = [*_intro(results), "", "## Core grid: strategy x model family x precision", "",
              f"No performance option, `model.init: seeded` (constructor for hf-llama: not seedable), {WORLD} "
              f"ranks, {STEPS} steps.", ""]
@@ -49,6 +54,14 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "## Combinations that crashed before (issue 26)", "",
               "| strategy | option | precision | model | init | status |", "|---|---|---|---|---|---|"]
     lines += _rows(regressions, results, refusals)
+    lines += ["", "## Meshes (`parallel:`, issue 30)", "",
+              f"Each mesh puts the {WORLD} ranks on one dimension of a `parallel:` block "
+              "(`trainkit/recipe/compatibility/meshes.py`): `tp` tensor parallel, `replicate` HSDP's replicate "
+              "dimension, `pp` the pipeline's stages. Meshes of two dimensions need 4 ranks: docs/strategies.md, "
+              "'Meshes'.", "",
+              "| strategy | mesh | option | precision | model | init | status |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {s.cell.strategy} | {s.cell.mesh} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | "
+              f"{s.cell.init} | {_verdict(s, results, refusals)} |" for s in meshes]
     lines += ["", "## Refused, and what to use instead", "",
               "Each refusal is `trainkit validate`'s own message, from the rule the strategy, option or model "
               "owns, or (device refusals) the message `trainkit run`'s preflight stops with.", ""]

@@ -1,0 +1,52 @@
+"""The grid's meshes (issue 30): `parallel:` blocks over the grid's ranks, and the cells that hold them.
+
+Every new combination a `parallel:` block makes is a declared cell, accepted (then trained and held
+to its reference like every other cell) or refused by `trainkit validate`: tensor parallel on the
+models that declare a plan and on those that do not (their model facts refuse it), on the strategies
+that lay ranks out on `tp` and on those that do not (`Capabilities.mesh_dims`), HSDP's replicate
+dimension, and the pipeline's stages written as a mesh. With the grid's 2 ranks a mesh has one
+dimension of 2: 2-D and HSDP 2 x 2 need 4 ranks and are tests/test_parallel_mesh_runs.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..blocks.parallel import ParallelOptions
+
+# mesh -> the one dimension of a parallel: block that holds every rank ("none": no block, the strategy's
+# own layout)
+MESH_DIMENSION: dict[str, str] = {
+    "tp": "tp",  # tensor parallel alone
+    "replicate": "dp_replicate",  # HSDP's replicate dimension (FSDP: replicas of a 1-rank shard group)
+    "pp": "pp",  # the pipeline's stages, written as a mesh
+}
+
+
+def mesh_block(mesh: str, world: int) -> dict[str, Any]:
+    """The recipe fragment of `mesh` over `world` ranks: every rank on its dimension, the others 1."""
+    return {} if mesh == "none" else {"parallel": {"dp_shard": 1, MESH_DIMENSION[mesh]: world}}
+
+
+# the mesh cells: (strategy, model, precision, option, init, mesh); accepted ones first
+MESH_ROWS: list[tuple[str, str, str, str, str, str]] = [
+    ("fsdp", "transformer", "fp32", "none", "seeded", "tp"),
+    ("fsdp", "transformer", "bf16", "none", "seeded", "tp"),
+    ("fsdp", "transformer", "fp32", "grad_clip", "seeded", "tp"),  # one norm over DTensor gradients
+    ("fsdp", "hf-llama", "fp32", "none", "constructor", "tp"),  # the plan from transformers' own
+    ("fsdp", "transformer", "fp32", "none", "seeded", "replicate"),
+    ("fsdp", "mlp", "fp32", "none", "seeded", "replicate"),
+    ("pipeline", "transformer", "fp32", "none", "seeded", "pp"),
+    # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension
+    ("fsdp", "mlp", "fp32", "none", "seeded", "tp"),
+    ("fsdp", "resnet18", "fp32", "none", "seeded", "tp"),
+    ("ddp", "transformer", "fp32", "none", "seeded", "tp"),
+    ("zero3", "transformer", "fp32", "none", "seeded", "tp"),
+    ("pipeline", "transformer", "fp32", "none", "seeded", "tp"),
+]
+
+
+def data_parallel(recipe: dict[str, Any], world: int) -> int:
+    """The data-parallel size a cell's recipe gives its `parallel:` block over `world` ranks (the
+    ranks reading different samples; tp and pp ranks share theirs)."""
+    return ParallelOptions(**recipe["parallel"]).dims(world).dp
