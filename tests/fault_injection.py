@@ -18,6 +18,9 @@ faults never leak into another's run.
   sleeping for an hour (how=sleep) or by sending itself SIGSTOP (how=stop); on every attempt.
   where=data: that rank's DataLoader worker sleeps for an hour in the dataset's __getitem__ of the
   first sample of that step's batch (needs data.num_workers 1 and grad_accum_steps 1).
+- TRAINKIT_FAULT_DESYNC="rank=1,step=6,how=skip|shape": in that optimizer step that rank's first DDP
+  gradient all-reduce is skipped (how=skip: the bucket is left local, no collective) or all-reduces
+  one element fewer (how=shape); on every attempt.
 - TRAINKIT_FAULT_NAN="rank=1,step=5": that rank's forward output is NaN during that step
   (",where=input": its input is +inf instead, so a BatchNorm sees it).
 - TRAINKIT_FAULT_RECORD_SAMPLES=DIR: every rank records a hash of each training sample it sees.
@@ -151,7 +154,7 @@ def install(*, model, rank: int) -> list:
 
     install_slow_checkpoint_write(rank=rank)
     return (hooks + install_hang(model=model, rank=rank) + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
-            + install_divergence(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
+            + install_divergence(model=model, rank=rank) + install_desync(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
             + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank)
             + install_memory_step_probe())
 
@@ -215,6 +218,42 @@ def install_loader_hang(*, loader, rank: int) -> None:
         return getitem(self, index)
 
     cls.__getitem__ = hanging_getitem
+
+
+def install_desync(*, model, rank: int) -> list:
+    """TRAINKIT_FAULT_DESYNC (see the module's docstring), through torch's `_allreduce_fut` as
+    install_collective_latency does."""
+    spec = os.environ.get("TRAINKIT_FAULT_DESYNC")
+    if not spec or int(_fields(spec).get("rank", -1)) != rank:
+        return []
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    fields = _fields(spec)
+    at, current, done = int(fields["step"]), [1], [False]
+    original = default_hooks._allreduce_fut
+
+    def desync_allreduce_fut(process_group, tensor):
+        if current[0] != at or done[0]:
+            return original(process_group, tensor)
+        done[0] = True
+        print(f"trainkit: TRAINKIT_FAULT_DESYNC: rank {rank} {fields['how']} in step {at}", file=sys.stderr, flush=True)
+        if fields["how"] == "skip":
+            skipped = torch.futures.Future()
+            skipped.set_result(tensor)
+            return skipped
+        return original(process_group, tensor[:-1]).then(lambda _: tensor)
+
+    default_hooks._allreduce_fut = desync_allreduce_fut
+    try:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    except RuntimeError:  # a hook is registered already, and it calls _allreduce_fut
+        pass
+
+    def advance(step: int) -> None:
+        current[0] = step + 1
+
+    return [advance]
 
 
 def install_fsdp_probe(*, model, rank: int) -> list:

@@ -27,7 +27,7 @@ from typing import Optional
 
 from ..run_dir import (HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, loader_stacks_path, rank_stacks_path, report_path,
                        write_fatal)
-from ..runtime.progress_record import END, PHASES, STACKS_SIGNAL, read
+from ..runtime.progress_record import END, FAILED, PHASES, STACKS_SIGNAL, read
 
 POLL_S = 0.5
 STACKS_WAIT_S = 3.0  # how long the ranks get to dump their stacks
@@ -157,7 +157,7 @@ class HangWatch:
             record = read(path)
             if not record or record.get("host") != socket.gethostname():  # another node's rank: its launcher's
                 continue
-            if record.get("phase") == END:  # past its training loop (start-up and shutdown are not watched)
+            if record.get("phase") in (END, FAILED):  # past its training loop, or leaving on an exception
                 continue
             if record.get("pid") not in self.ended and _alive(int(record.get("pid", 0))):
                 found.append(record)

@@ -36,7 +36,7 @@ from ..runtime import preflight
 from ..runtime.accelerator import accelerator_for
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
-from . import failures, hang_watch, oom, rendezvous_store
+from . import desync, failures, hang_watch, oom, rendezvous_store
 from .lock import LaunchLock, LockHeld, describe, job_identity
 
 COMPLETED = "interrupted after training completed; final checkpoint and summary are complete"
@@ -385,6 +385,7 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     kills_before = oom.kills_now()  # a rank the OOM killer ends is an out-of-memory failure, not a restart
     backend = accelerator_for(recipe, cuda_available=torch.cuda.is_available()).backend
     os.environ.update(hang_watch.flight_recorder_env(run_dir, os.environ, backend))  # NCCL's own record of a hang
+    os.environ.update(desync.debug_env(recipe.launch.debug_collectives, os.environ))  # torch's collective checks
     watch = hang_watch.HangWatch(run_dir, recipe.launch.hang_timeout_s, recipe.launch.timeout_s)
     announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
                                           fatal_marker=lambda: oom.marker_or_kill(run_dir, kills_before,
@@ -397,6 +398,8 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
         hang = watch.hang_of({f.pid for f in err.failures.values()})
         report = redact(hang.failure_report(recipe.launch.max_restarts) if hang else oom.explain(
             failures.summarize(err, run_dir / LOGS, recipe.launch.max_restarts), err, run_dir, kills_before, recipe))
+        mismatch = desync.explain({rank: failure.message for rank, failure in err.failures.items()})
+        report = f"{report}\n{mismatch}" if mismatch else report  # both sides, after the first failure's error
         print(report, file=sys.stderr)
         return 1, _with_disk_full_note(report, run_dir)
     except SignalException as exc:

@@ -31,6 +31,7 @@ RECORD_BYTES = 256
 STACKS_SIGNAL = signal.SIGUSR1
 PHASES = ("data", "forward", "backward", "optimizer", "eval", "checkpoint")  # in the order a step runs them
 END = "end"  # the loop is over: the summary, reports and shutdown are not watched
+FAILED = "failed"  # the rank is leaving on an exception: its exit is the launcher's failure report, not a hang
 
 
 class _Record:
@@ -82,6 +83,13 @@ def phase(step: int, name: str) -> None:
     """This rank is now in `name` (one of PHASES) of optimizer step `step`; nothing when not started."""
     if _record is not None:
         _record.phase(step, name)
+
+
+def failed() -> None:
+    """This rank is leaving on an exception (its error file written, the process group and the
+    interpreter shutting down: seconds on a loaded machine): not a hang."""
+    if _record is not None:
+        _record.phase(_record.step, FAILED)
 
 
 def watch_backward(model) -> None:

@@ -219,6 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(console, flush=True)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
     except Exception as exc:
+        progress_record.failed()  # its exit is a failure, not a hang
         if memory_watch.is_out_of_memory(exc):  # deterministic: the marker stops restarts repeating it
             exc = memory_watch.explained(exc)
             fatal.record(run_dir, exc)

@@ -80,6 +80,10 @@ class LaunchOptions(Block):
         default=None, description="a hang is declared when no rank makes progress for this long (docs/running.md, "
                                   "'When a run hangs'); null: 10x the slowest step seen, at least min(120, "
                                   "timeout_s / 2) seconds")
+    debug_collectives: bool = Field(
+        default=False, description="torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks calling "
+                                   "different collectives or shapes fail at once, naming both sides "
+                                   "(docs/running.md, 'When ranks desync'); slower: debugging only")
     run_dir: str = Field(default="runs", description="parent folder of run directories")
 
     @field_validator("nnodes", mode="before")
