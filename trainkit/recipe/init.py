@@ -154,7 +154,7 @@ def write_recipe(args, ask: Ask) -> tuple[Path, str]:
         raise InitError(f"wrote {out}, but it does not validate (a bug in init, or an answer it cannot check):\n"
                         f"{err}") from None
     return out, (f"wrote {out}: {model} on {data}, {strategy} over {world} process(es), {precision}, "
-                 f"tracking {'off' if tracking == 'off' else tracking or 'in ./mlflow.db'}")
+                 f"tracking {'off' if tracking == 'off' else tracking or 'in the mlflow.db of the project'}")
 
 
 def _model_note(model: str) -> str:
@@ -195,7 +195,7 @@ def _tracking_note(tracking: str) -> str:
         return "no MLflow tracking (metrics still go to the console and the run directory)"
     if tracking:
         return "metrics, parameters and the recipe are logged to this MLflow server"
-    return "MLflow in a local SQLite file (./mlflow.db); `trainkit ui` shows it"
+    return "MLflow in the project's SQLite file (mlflow.db at the repository root; docs/tracking.md); `trainkit ui` shows it"
 
 
 def _tracking_yaml(tracking: str, name: str) -> str:
