@@ -79,5 +79,8 @@ def test_an_explicit_uri_or_mlflow_tracking_uri_wins_and_outside_a_project_the_f
     lone = elsewhere / "lone.yaml"  # no repository above it (tmp_path is outside any)
     lone.write_text(yaml.safe_dump(RECIPE))
     assert tracking_uri(resolve(lone).recipe, lone) == f"sqlite:///{root}/mlflow.db"  # the current folder's project
+    monkeypatch.setenv("TRAINKIT_RECIPE_ROOT", str(tmp_path))  # names the project, as for `defaults:`
+    assert tracking_uri(resolve(recipe).recipe, recipe) == f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.delenv("TRAINKIT_RECIPE_ROOT")
     monkeypatch.chdir(elsewhere)
     assert tracking_uri(resolve(lone).recipe, lone) == f"sqlite:///{elsewhere}/mlflow.db"
