@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 
 from .. import registry
 from .blocks import Finding, ParallelDims
-from .blocks.parallel import ParallelOptions
+from .blocks.parallel import INFERRED, ParallelOptions
 from .mesh_layout import degrees_text, launch_world_sizes
 from .model_facts import facts_for
 
@@ -57,7 +57,7 @@ def fills_the_world(p: ParallelOptions, world_size: int, launch: Any) -> Optiona
     ranks = f"launch runs {world_size} ranks (nnodes {_nodes(launch, world_size)} x nproc_per_node " \
             f"{launch.nproc_per_node})"
     known, inferred = p.known_product(), p.inferred()
-    written = {d: n for d, n in p.degrees().items() if n != -1}
+    written = {d: n for d, n in p.degrees().items() if n != INFERRED}
     if inferred is None:
         if known == world_size:
             return None
@@ -65,7 +65,7 @@ def fills_the_world(p: ParallelOptions, world_size: int, launch: Any) -> Optiona
                 f"or set one of them to -1 to infer it from the world size")
     if world_size % known == 0:
         return None
-    return (f"{inferred} -1 is inferred as the world size / ({degrees_text(written)} = {known}), but {ranks}, "
+    return (f"{inferred} {INFERRED} is inferred as the world size / ({degrees_text(written)} = {known}), but {ranks}, "
             f"which {known} does not divide; make the other degrees multiply to a divisor of {world_size}"
             + (" at every node count of the elastic range" if isinstance(launch.nnodes, str) else ""))
 

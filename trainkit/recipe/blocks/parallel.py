@@ -8,6 +8,7 @@ strategy lays the world out as it always has (`StrategyOptions.parallel_dims`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -68,10 +69,7 @@ class ParallelOptions(Block):
 
     def known_product(self) -> int:
         """The product of the degrees written as numbers."""
-        product = 1
-        for n in self.degrees().values():
-            product *= n if n != INFERRED else 1
-        return product
+        return math.prod(n for n in self.degrees().values() if n != INFERRED)
 
     def dims(self, world_size: int) -> ParallelDims:
         """The layout of `world_size` ranks; an inferred degree is world_size // the others (validation
