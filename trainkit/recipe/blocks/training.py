@@ -40,8 +40,9 @@ class CheckpointOptions(Block):
     every: Optional[PositiveInt] = Field(default=None, description="steps between checkpoints (and always at the end)")
     keep: PositiveInt = Field(default=3, description="newest checkpoints retained")
     async_save: bool = Field(default=False, description="write checkpoints in the background: training blocks only "
-                                                        "while the state is copied to host memory (DCP's async_save; "
-                                                        "docs/running.md, 'Checkpoints')")
+                                                        "while the state is copied to host memory (DCP's async_save; ddp "
+                                                        "and fsdp; docs/running.md, 'Checkpoints written in the "
+                                                        "background')")
 
 
 class TrainerOptions(Block):
