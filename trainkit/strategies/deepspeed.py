@@ -278,7 +278,7 @@ class DeepSpeedStrategy(Strategy):
         import json
 
         ws = recipe.world_size
-        derived = recipe.global_batch_at(recipe.strategy.data_parallel_size(ws)) if ws else "?"
+        derived = recipe.global_batch_at(recipe.parallel_dims(ws).dp) if ws else "?"
         return [f"ds_config:       {json.dumps(ds_config_for(recipe), sort_keys=True)}",
                 f"                 (train_batch_size derived by DeepSpeed: {derived})"]
 
