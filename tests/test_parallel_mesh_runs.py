@@ -246,3 +246,27 @@ def check_all(runs: Path) -> None:
         check_resumes_on_another_mesh(runs, name)
     for name in [*RUNS_4, *RUNS_2, *RESHARDS]:
         check_export(runs, name)
+
+
+def test_mfu_credits_each_tensor_parallel_rank_with_its_share(tmp_path):
+    """The throughput monitor's FLOPs per micro-batch (behind tflops_per_rank and MFU) on a rank of a
+    TP 2 group are half the model's: the two ranks split every layer of one data-parallel group's work."""
+    from types import SimpleNamespace
+
+    from trainkit.monitors.base import MonitorContext
+    from trainkit.monitors.throughput import ThroughputMonitor
+    from trainkit.recipe import resolve
+
+    path = _write_run(tmp_path, "mfu", {**_recipe(2, {"dp_shard": 1, "tp": 2}, 4),
+                                        "monitors": [{"name": "throughput"}]}) / "recipe.yaml"
+    recipe = resolve(path).recipe
+
+    def flops(ranks_per_batch: int) -> float:
+        strategy = SimpleNamespace(splits_model=False, ranks_per_batch=ranks_per_batch, data_parallel_size=1)
+        ctx = MonitorContext(rank=0, local_rank=0, world_size=2, node_rank=0, hostname="h", device=torch.device("cpu"),
+                             run_dir=tmp_path, recipe=recipe, strategy=strategy, model=None)
+        monitor = ThroughputMonitor(recipe.monitors[0], ctx)
+        monitor.on_run_start()
+        return ctx.facts["flops_per_microbatch"]
+
+    assert flops(2) == pytest.approx(flops(1) / 2)
