@@ -143,13 +143,14 @@ def test_the_compatibility_grid_on_cuda_with_nccl(tmp_path):
 
 @needs_cuda
 def test_the_compatibility_grid_on_one_cuda_device(tmp_path):
-    """Every accepted cell that does not split the model, in one process on one GPU: the CUDA kernels,
+    """Every accepted cell that neither splits the model nor lays out a mesh, in one process on one GPU: the CUDA kernels,
     autocast, loss scaling, FSDP/ZeRO on a CUDA device, compile through Triton, channels_last -- train,
     resume exactly and export, or a clear preflight refusal (no reference: one process checks the
     device, the 2-GPU test above checks the collectives). TRAINKIT_GRID_RECORD=1 records the outcomes
     as docs/compatibility.md's `gpu-1` kind; TRAINKIT_GRID_TIMEOUT_S bounds the launch (the cells not
     reached then fail as "no result")."""
-    cells = [s.cell for s in statuses(declared_cells()) if not s.refused and not s.cell.strategy.startswith("pipeline")]
+    cells = [s.cell for s in statuses(declared_cells()) if not s.refused and not s.cell.strategy.startswith("pipeline")
+             and s.cell.mesh == "none"]  # a mesh needs its ranks
     outcomes = run_alone(tmp_path, cells, timeout=float(os.environ.get("TRAINKIT_GRID_TIMEOUT_S", 3000)))
     failures = {o.cell.id: why for o in outcomes if (why := problems_of(o))}
     if os.environ.get("TRAINKIT_GRID_RECORD"):
