@@ -247,7 +247,7 @@ def test_bash_completion_completes_commands_paths_and_schema_keys():
     assert got["trainkit validate recipes/dd"] == "recipes/ddp-mlp.yaml"
     assert got["trainkit plan recipes/ddp-mlp.yaml trainer.ch"] == "trainer.checkpoint."
     assert got["trainkit plan recipes/ddp-mlp.yaml trainer.checkpoint."] == \
-        "trainer.checkpoint.every=,trainer.checkpoint.keep="
+        "trainer.checkpoint.async_save=,trainer.checkpoint.every=,trainer.checkpoint.keep="
     assert got["trainkit run recipes/ddp-mlp.yaml strategy.name="] == "ddp,deepspeed,fsdp,pipeline"  # after '='
     assert got["trainkit run recipes/ddp-mlp.yaml precision=b"] == "bf16"
     assert got["trainkit run recipes/ddp-mlp.yaml ~trainer.eval_e"] == "~trainer.eval_every"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..machine import data_workers_per_rank, usable_cores, visible_gpus
+from .model_facts import facts_for
 from .problems import RecipeError
 
 Ask = Optional[Callable[[str, str], str]]
@@ -129,7 +130,7 @@ def write_recipe(args, ask: Ask) -> tuple[Path, str]:
              f"# {data_note}",
              f"data: {data_yaml}",
              f"# {_strategy_note(strategy, world)}",
-             f"strategy: {_strategy_yaml(strategy, world)}",
+             f"strategy: {_strategy_yaml(strategy, world, model)}",
              f"# {_precision_note(precision)}",
              f"precision: {precision}",
              "optimizer: {name: adamw, lr: 0.001, weight_decay: 0.01}",
@@ -165,12 +166,26 @@ def _model_note(model: str) -> str:
     return "a built-in model; for your own, write 'package.module:factory'"
 
 
-def _strategy_yaml(strategy: str, world: int) -> str:
+def _strategy_yaml(strategy: str, world: int, model: str) -> str:
     if strategy == "deepspeed":
         return "{name: deepspeed, zero_stage: 3}"
     if strategy == "pipeline":
-        return "{name: pipeline, microbatches: 4, schedule: 1f1b}"
+        return "{name: pipeline, microbatches: 4, schedule: 1f1b" + _split_points_yaml(model, world) + "}"
     return f"{{name: {strategy}}}"
+
+
+def _split_points_yaml(model: str, stages: int) -> str:
+    """`, split_points: [...]` for a model the pipeline can only cut at named modules (validate refuses
+    it without them); empty for one it splits by itself."""
+    facts = facts_for(model)
+    if not facts.needs_split_points:
+        return ""
+    names = facts.split_points_for(stages)
+    if names is None:
+        raise InitError(f"the pipeline cuts {model} only at named split points, and init knows none for "
+                        f"{stages} stage(s); choose another strategy, or write strategy.split_points yourself "
+                        "(docs/strategies.md, Pipeline parallel)")
+    return f", split_points: [{', '.join(names)}]"
 
 
 def _strategy_note(strategy: str, world: int) -> str:

@@ -31,6 +31,11 @@ class ModelFacts:
         """The longest sequence the model is built for, when its args say it (validate; no imports)."""
         return None
 
+    def split_points_for(self, stages: int) -> Optional[list[str]]:
+        """Module names that cut the model into `stages` pipeline stages, where the family knows good ones
+        (`trainkit init` writes them); None: the user must choose."""
+        return None
+
     def vocab_and_positions(self, args: dict) -> tuple[Optional[int], Optional[int]]:
         """(vocabulary size, longest sequence), possibly importing the model's library (preflight).
 
@@ -85,6 +90,9 @@ class TransformerFacts(ModelFacts):
                                    "ffn_hidden": ffn_hidden, "vocab_size": args.get("vocab_size")}, "model.args")
 
 
+RESNET_SPLIT_POINTS = {2: ["layer3"], 3: ["layer2", "layer3"], 4: ["layer2", "layer3", "layer4"]}
+
+
 class TorchvisionFacts(ModelFacts):
     """torchvision.<name>: a classification model that is not an nn.Sequential (ResNet, ViT, ...), so the
     pipeline traces it and needs split points."""
@@ -93,7 +101,13 @@ class TorchvisionFacts(ModelFacts):
 
     def __init__(self, model_name: str) -> None:
         short = model_name.partition(".")[2]
-        self.split_point_example = "layer3" if short.startswith(("resnet", "resnext", "wide_resnet")) else ""
+        self._resnet = short.startswith(("resnet", "resnext", "wide_resnet"))
+        self.split_point_example = "layer3" if self._resnet else ""
+
+    def split_points_for(self, stages: int) -> Optional[list[str]]:
+        """A ResNet's residual stages (layer1..layer4) are its natural cuts; layer3 holds most of the
+        blocks, so 2 stages cut before it."""
+        return RESNET_SPLIT_POINTS.get(stages) if self._resnet else None
 
     @staticmethod
     def describes(model_name: str) -> bool:
