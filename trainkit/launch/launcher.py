@@ -36,7 +36,7 @@ from ..runtime import preflight
 from ..runtime.accelerator import accelerator_for
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
-from . import desync, failures, hang_watch, oom, rendezvous_store
+from . import desync, failures, hang_watch, oom, rendezvous_store, startup
 from .lock import LaunchLock, LockHeld, describe, job_identity
 
 COMPLETED = "interrupted after training completed; final checkpoint and summary are complete"
@@ -380,6 +380,10 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
     cmd = _torchrun_command(recipe, run_dir, rendezvous)
+    unreachable = startup.unreachable(recipe, socket.gethostname())  # bounded by launch.join_timeout_s
+    if unreachable:
+        print(f"trainkit: {unreachable}", file=sys.stderr, flush=True)
+        return 1, unreachable
     if rendezvous is not None and rendezvous.gloo_interface:  # gloo's pair sockets stay on loopback too
         os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous.gloo_interface)
     kills_before = oom.kills_now()  # a rank the OOM killer ends is an out-of-memory failure, not a restart
@@ -413,6 +417,10 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     except KeyboardInterrupt:
         return _stopped(signal.SIGINT, run_dir, launch_dir)
     except Exception as exc:  # the agent itself failed (e.g. an unreadable error file on a full disk)
+        reason = startup.rendezvous_failed(exc, recipe, socket.gethostname())
+        if reason:
+            print(f"trainkit: {redact(reason)}", file=sys.stderr, flush=True)
+            return 1, redact(reason)
         reason = redact(f"torchrun's agent failed: {type(exc).__name__}: {exc}")
         print(f"trainkit: {reason} (worker logs: {run_dir / LOGS})", file=sys.stderr)
         return 1, _with_disk_full_note(reason, run_dir)

@@ -44,12 +44,14 @@ class Rendezvous:
 
     def torchrun_command(self, command: Sequence[str]) -> list[str]:
         """`command` (launch_plan.torchrun_command) made to join this store instead of starting one."""
-        out = []
+        out, conf = [], ["is_host=0"]
         for word in command:
-            if word == "--standalone":  # one node: the store trainkit serves on loopback
+            if word.startswith("--rdzv-conf="):  # torchrun reads one --rdzv-conf: is_host joins the recipe's
+                conf.append(word.split("=", 1)[1])
+            elif word == "--standalone":  # one node: the store trainkit serves on loopback
                 out += ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}"]
             elif word == "-m":  # the options end where the worker module begins
-                out += ["--rdzv-conf=is_host=0", f"--local-addr={self.local_addr}", word]
+                out += [f"--rdzv-conf={','.join(conf)}", f"--local-addr={self.local_addr}", word]
             else:
                 out.append(word)
         return out

@@ -26,7 +26,7 @@ SAFE_KEYS = (
     "tracking.*",
     "trainer.log_every", "trainer.eval_every", "trainer.eval_steps", "trainer.checkpoint.*", "trainer.resume",
     "trainer.on_nonfinite", "trainer.max_skipped_steps",
-    "launch.max_restarts", "launch.timeout_s", "launch.hang_timeout_s", "launch.debug_collectives",
+    "launch.max_restarts", "launch.timeout_s", "launch.hang_timeout_s", "launch.debug_collectives", "launch.join_timeout_s",
     "launch.monitor_interval", "launch.run_dir",
     "launch.rdzv_backend", "launch.rdzv_endpoint", "launch.rdzv_id", "launch.node_rank",
 )

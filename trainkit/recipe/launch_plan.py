@@ -31,6 +31,8 @@ def torchrun_command(recipe: Recipe, run_dir: str | Path) -> list[str]:
         cmd += [f"--rdzv-backend={la.rdzv_backend}", f"--rdzv-id={la.rdzv_id or recipe.name}"]
         if la.rdzv_endpoint:
             cmd.append(f"--rdzv-endpoint={la.rdzv_endpoint}")
+        if la.rdzv_backend == "c10d":  # how long the agents wait for the other nodes
+            cmd.append(f"--rdzv-conf=join_timeout={la.join_timeout_s}")
         if la.node_rank is not None:
             cmd.append(f"--node-rank={la.node_rank}")
     cmd += [f"--max-restarts={la.max_restarts}", f"--monitor-interval={la.monitor_interval:g}",

@@ -81,6 +81,10 @@ class LaunchOptions(Block):
         default=None, description="a hang is declared when no rank makes progress for this long (docs/running.md, "
                                   "'When a run hangs'); null: 10x the slowest step seen, at least min(120, "
                                   "timeout_s / 2) seconds")
+    join_timeout_s: PositiveInt = Field(
+        default=600, description="several nodes: how long the agents wait for every node to join the rendezvous "
+                                 "(torchrun's join_timeout); a node that never joins ends the launch after this, "
+                                 "naming the missing nodes (docs/running.md, 'When a node does not join')")
     debug_collectives: bool = Field(
         default=False, description="torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks calling "
                                    "different collectives or shapes fail at once, naming both sides "
