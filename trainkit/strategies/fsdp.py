@@ -1,10 +1,11 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded
-over a 1-D device mesh.
+over the mesh's "dp_shard" ranks; on the 2-D ("dp_replicate", "dp_shard") mesh (HSDP) when the
+recipe's `parallel:` block has replicas, and after tensor parallel on "tp" when it has `tp` > 1.
 
 Thin functions in the torchtitan style: `blocks_to_wrap` picks the units, `apply_fsdp` composes
 activation checkpointing and `fully_shard`; the strategy class only adapts them to the loop.
 Checkpoints go through torch.distributed.checkpoint (every rank writes its shards in parallel), so
-a checkpoint saved with N ranks loads with M.
+a checkpoint saved with N ranks loads with M, and on another mesh (HSDP 2x2 -> FSDP 4, TP 2 -> 1 are tested).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class FSDPStrategy(Strategy):
 
     @property
     def tensor_parallel(self) -> int:
-        return self.full_mesh["tp"].size() if "tp" in self.full_mesh.mesh_dim_names else 1
+        return self.full_mesh["tp"].size()
 
     @property
     def loss_parallel(self) -> bool:
