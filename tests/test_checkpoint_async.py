@@ -106,3 +106,41 @@ def test_validate_refuses_async_save_where_the_strategy_writes_its_own_checkpoin
     result = trainkit(tmp_path, "validate", str(recipe))
     assert result.returncode != 0 and "Traceback" not in result.output, result.output
     assert "trainer.checkpoint.async_save" in result.output and strategy["name"] in result.output, result.output
+
+
+def test_a_full_disk_during_a_background_write_is_reported_as_a_synchronous_save_s(tmp_path):
+    """Guards a full disk under async_save: it fills after the step-4 checkpoint with room for the step-8
+    save's small files but not for a checkpoint the size of step 4's. The save is refused before its
+    background write starts (one that filled the disk would make the loop's own metric and log writes
+    fail first, unexplained: a plain OSError and a restart spent, as seen without the check), with the
+    DiskFullError message of a synchronous save naming step 8; no restart is spent; step 4 stays the
+    complete resume point."""
+    from test_run_disk_full import _fill, tmpfs
+
+    from trainkit.runtime.checkpoint import newest_valid
+
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        recipe = write_recipe(tmp_path, "filling", ASYNC, strategy={"name": "ddp"},
+                              model={"name": "mlp", "args": {"in_features": 48, "hidden": 512, "num_classes": 4, "depth": 1}},
+                              data={**ASYNC["data"], "sleep_ms": 15.0},
+                              trainer={"max_steps": 12, "log_every": 1,
+                                       "checkpoint": {"every": 4, "keep": 3, "async_save": True}},
+                              launch={"nproc_per_node": 2, "run_dir": str(disk), "timeout_s": 60, "max_restarts": 1})
+        proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path,
+                                env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        first = disk / "filling" / "checkpoints" / "step-00000004"
+        try:
+            wait_for(lambda: (first / "meta.json").exists() or proc.poll() is not None, timeout=120,
+                     what="the step-4 checkpoint")
+            _fill(disk, 64 * 1024)  # the step-8 save's trainer.pt, recipe.json and rng files fit; 200 KB of DCP do not
+            out, _ = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        assert proc.returncode != 0, out
+        assert "no space left on the disk holding" in out and "step-00000008" in out, out[-4000:]
+        assert "rank 0 failed: DiskFullError" in out and "not restarting" in out, out[-4000:]
+        assert "the worker group restarts" not in out, out[-4000:]
+        assert newest_valid(disk / "filling" / "checkpoints", warn=False) == first

@@ -182,9 +182,14 @@ class Checkpointer:
                                 data_parallel_size=s.data_parallel_size),
                            tmp / "trainer.pt")
                 write_recipe(tmp, self.recipe_data)
+            if self.in_background and disk_too_full(self.dir):
+                # refused here, as a synchronous save would fail: in the background the write would fill
+                # the disk under the loop's own writes (metrics, logs), which would fail first, unexplained
+                raise OSError(errno.ENOSPC, "no room for a checkpoint the size of the previous one")
             if self.in_background:  # every other file is written: the seal waits only for DCP's write
                 seal = (lambda: self._seal(tmp, final, step)) if s.rank == 0 else None
-                self.pending = (checkpoint_async.start(tmp, model, optimizer, seal), tmp, final)
+                free_if_full = lambda exc: _empty(tmp) if _is_disk_full(exc) else None  # noqa: E731
+                self.pending = (checkpoint_async.start(tmp, model, optimizer, seal, free_if_full), tmp, final)
             else:
                 s.barrier()
                 if s.rank == 0:

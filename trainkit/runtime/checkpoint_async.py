@@ -26,10 +26,11 @@ DCP_METADATA = ".metadata"  # the file DCP's coordinator writes last
 class BackgroundWrite:
     """One save in flight: DCP's write future, then (rank 0) the seal once it has succeeded."""
 
-    def __init__(self, future: Future, seal: Optional[Callable[[], None]]):
+    def __init__(self, future: Future, seal: Optional[Callable[[], None]],
+                 on_error: Callable[[BaseException], None]):
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
-        self._seal = seal
+        self._seal, self._on_error = seal, on_error
         future.add_done_callback(self._finish)
 
     def _finish(self, future: Future) -> None:
@@ -39,6 +40,10 @@ class BackgroundWrite:
                 self._seal()
         except BaseException as exc:  # re-raised on the training thread by `wait`
             self._error = exc
+            try:
+                self._on_error(exc)  # at once: a full disk is freed before the loop's next write meets it
+            except Exception:  # noqa: BLE001 -- the write's own error is the one to report
+                pass
         finally:
             self._done.set()
 
@@ -64,15 +69,17 @@ def _writer_group():
     return _GROUP
 
 
-def start(folder: Path, model, optimizer, seal: Optional[Callable[[], None]]) -> BackgroundWrite:
-    """Stage this rank's state (blocking: a host copy) and start writing it into `folder`."""
+def start(folder: Path, model, optimizer, seal: Optional[Callable[[], None]],
+          on_error: Callable[[BaseException], None]) -> BackgroundWrite:
+    """Stage this rank's state (blocking: a host copy) and start writing it into `folder`; `seal` runs
+    when the write has finished, `on_error` (in the writer's thread) when it failed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
                             process_group=_writer_group())
-    return BackgroundWrite(future, seal)
+    return BackgroundWrite(future, seal, on_error)
 
 
 def written_in_background(folder: Path, strategy) -> bool:
