@@ -181,3 +181,25 @@ def test_a_multi_node_launch_refuses_an_endpoint_a_foreign_process_holds(tmp_pat
     assert "not a torchrun or trainkit process" in result.stderr
     assert took < 45, took  # refused before any rendezvous wait
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_remote_rendezvous_endpoint_is_checked_for_reachability(tmp_path, monkeypatch):
+    """Guards the rendezvous row for another node's endpoint (issue 29): a listening endpoint passes
+    with the time the connection took, one that refuses warns with its fix (start node 0 first, or
+    fix launch.rdzv_endpoint). Real sockets; loopback stands in for the remote host."""
+    from trainkit.doctor import network
+    from trainkit.recipe.resolver import resolve
+
+    monkeypatch.setattr(network, "_is_local", lambda ip, mine: False)  # as seen from another node
+
+    def check(port: int):
+        recipe = mlp_recipe(tmp_path, "remote", launch={"nproc_per_node": 1, "nnodes": 2,
+                                                         "rdzv_endpoint": f"127.0.0.1:{port}"})
+        return network.rendezvous(resolve(recipe))
+
+    with port_in_use() as port:
+        listening = check(port)
+    assert listening.status == "pass" and "accepted a connection" in listening.detail, listening
+    refused = check(port)  # closed now: nothing listens
+    assert refused.status == "warn" and "refused the connection" in refused.detail, refused
+    assert "start it first" in refused.fix and "launch.rdzv_endpoint" in refused.fix, refused
