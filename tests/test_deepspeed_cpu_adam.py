@@ -1,9 +1,9 @@
 """`offload_optimizer: cpu` steps in DeepSpeed's CPU Adam (docs/strategies.md, "Optimizer offload").
 
-One 2-rank launch of the cell runner trains ZeRO-2 with optimizer offload four ways -- adamw and
-adam (weight decay on) in DeepSpeed's CPU Adam, and each in torch's optimizer as before
-(`strategy.config: {zero_force_ds_cpu_optimizer: false}`) -- each trained, resumed from its step-4
-checkpoint and exported. The first run on a machine JIT-builds CPU Adam (~60 s on 2 cores): the
+One 2-rank launch of the cell runner trains ZeRO-2 with optimizer offload five ways -- adamw and
+adam (weight decay on) in DeepSpeed's CPU Adam, each in torch's optimizer as before
+(`strategy.config: {zero_force_ds_cpu_optimizer: false}`), and sgd (torch's, with the reason
+printed) -- each trained, resumed from its step-4 checkpoint and exported. The first run on a machine JIT-builds CPU Adam (~60 s on 2 cores): the
 launch shares `strategy_runs.deepspeed_env`'s extension folder, so CI builds it once.
 
 Tolerance (TOLERANCE, relative, every step's loss): CPU Adam computes torch's update in fp32 with
@@ -41,6 +41,7 @@ def cells(request, tmp_path_factory) -> dict[str, dict]:
         recipe = merged(OFFLOAD, {"optimizer": {**OFFLOAD["optimizer"], "name": name}})
         recipes[f"cpu-{name}"] = recipe
         recipes[f"torch-{name}"] = merged(recipe, {"strategy": TORCH_OPTIMIZER})
+    recipes["sgd"] = merged(OFFLOAD, {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}})
     env = deepspeed_env(request, tmp_path_factory)
     results = train_cells(tmp_path_factory.mktemp("cpu-adam"), recipes, timeout=420, **env)
     return {name: {**result, "extensions": env["TORCH_EXTENSIONS_DIR"]} for name, result in results.items()}
@@ -66,11 +67,15 @@ def test_cpu_adam_trains_like_torchs_optimizer_and_resumes_exactly(cells, name):
 def test_offload_runs_deepspeeds_cpu_adam_and_says_when_it_cannot(cells):
     """Guards that CPU Adam is what steps and that the console says which optimizer does: CPU Adam's
     op is built in the extension folder, each CPU Adam pass (2 runs x train and resume) says so, and
-    a run kept on torch's optimizer prints why."""
+    a run kept on torch's optimizer prints why (asked for by the config; sgd, which CPU Adam cannot
+    run, still trains)."""
     log = cells["cpu-adamw"]["log"]
     for name in ("adamw", "adam"):
         assert log.count(f"trainkit: optimizer offload steps in DeepSpeed's CPU Adam ({name})\n") == 2, log[-4000:]
     note = ("trainkit: note: optimizer offload steps in torch's adamw, not DeepSpeed's CPU Adam: strategy.config "
             "sets zero_force_ds_cpu_optimizer: false")
     assert log.count(note) == 2, log[-4000:]
+    sgd = ("trainkit: note: optimizer offload steps in torch's sgd, not DeepSpeed's CPU Adam: DeepSpeed's CPU "
+           "optimizer is Adam/AdamW only; optimizer sgd has none")
+    assert log.count(sgd) == 2 and steps(cells["sgd"]["losses"])[-1] < steps(cells["sgd"]["losses"])[0], log[-4000:]
     assert list(Path(cells["cpu-adamw"]["extensions"]).glob("cpu_adam/cpu_adam*.so")), "CPU Adam was not built"
