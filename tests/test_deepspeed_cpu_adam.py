@@ -79,3 +79,21 @@ def test_offload_runs_deepspeeds_cpu_adam_and_says_when_it_cannot(cells):
            "optimizer is Adam/AdamW only; optimizer sgd has none")
     assert log.count(sgd) == 2 and steps(cells["sgd"]["losses"])[-1] < steps(cells["sgd"]["losses"])[0], log[-4000:]
     assert list(Path(cells["cpu-adamw"]["extensions"]).glob("cpu_adam/cpu_adam*.so")), "CPU Adam was not built"
+
+
+def test_preflight_refuses_offload_when_cpu_adam_cannot_be_compiled(tmp_path, monkeypatch):
+    """Guards the refusal before launch: with CPU Adam not yet built (an empty extension folder) and no
+    C++ compiler, `trainkit run`'s preflight names strategy.offload_optimizer and what to install,
+    instead of a compiler error from inside the first step."""
+    from run_helpers import write_recipe
+
+    from trainkit.recipe import resolve
+    from trainkit.runtime.preflight import check
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("CXX", "no-such-c++")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    problems = check(resolve(write_recipe(tmp_path, "offload", OFFLOAD)))
+    found = [p for p in problems if "offload_optimizer" in str(p.path)]
+    assert found and found[0].severity == "error", problems
+    assert "CPU Adam" in found[0].message and "g++" in found[0].message

@@ -25,7 +25,7 @@ from ..runtime.files import fsync_save
 from ..runtime.materialize import check_seedable, owners, seeded_values
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy, replicated_buffers
-from .deepspeed_ops import announce_build, announce_cpu_adam_build
+from .deepspeed_ops import CPU_ADAM_OP, announce_build, announce_cpu_adam_build, pending_build
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
 
@@ -271,6 +271,10 @@ class DeepSpeedStrategy(Strategy):
             elif shutil.which(os.environ.get("CXX", "c++")) is None:
                 yield ("strategy", "name"), "DeepSpeed on CPU JIT-compiles its shared-memory comm op and needs " \
                     "a C++ compiler (c++), which is missing here", "error"
+        if s.runs_cpu_adam(recipe) and shutil.which(os.environ.get("CXX", "c++")) is None \
+                and pending_build(CPU_ADAM_OP) is not None:
+            yield ("strategy", "offload_optimizer"), "optimizer offload steps in DeepSpeed's CPU Adam, which is " \
+                "compiled on first use and needs a C++ compiler (c++), missing here; install one (g++)", "error"
 
     @classmethod
     def plan_lines(cls, recipe) -> list[str]:
