@@ -270,3 +270,22 @@ def test_mfu_credits_each_tensor_parallel_rank_with_its_share(tmp_path):
         return ctx.facts["flops_per_microbatch"]
 
     assert flops(2) == pytest.approx(flops(1) / 2)
+
+
+def test_hsdp_replica_check_sees_a_replica_that_drifted(tmp_path):
+    """The end-of-run replica check under HSDP 2x2 (`trainkit run`): rank 1 alone moves its shard of
+    the first weight after the last step; the ranks of its replica (0, 1) agree with each other and
+    differ from the other replica's (2, 3), and the run warns. (Every rank's digest used to name
+    every rank's shards, so a drifted HSDP replica went unseen.)"""
+    from run_helpers import summary, trainkit, write_recipe
+    from strategy_runs import SEEDED_MLP
+
+    path = write_recipe(tmp_path, "hsdp", SEEDED_MLP, strategy={"name": "fsdp", "wrap": ["Linear"]},
+                        parallel={"dp_replicate": 2, "dp_shard": 2}, launch={"nproc_per_node": 4},
+                        trainer={"max_steps": 2, "checkpoint": {"every": 100}})
+    result = trainkit(tmp_path, "run", str(path), CUDA_VISIBLE_DEVICES="",
+                      TRAINKIT_FAULT_DIVERGE="rank=1,step=2,what=param")
+    assert result.returncode == 0, result.output[-4000:]
+    digests = summary(tmp_path / "runs" / "hsdp")["replica_digests"]
+    assert digests[0] == digests[1] and digests[2] == digests[3] and digests[0] != digests[2], digests
+    assert "model replicas differ across ranks" in result.stderr

@@ -243,19 +243,31 @@ class Strategy:
                         shards: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
         """`replica_digests` of a sharded model (FSDP, ZeRO-3), gathering digests, never tensors: each
         rank hashes its replicated state and, one parameter at a time, its own shard of each parameter;
-        the ranks exchange these hex strings, and each rank's digest is its replicated state plus every
-        rank's shard digests. So the digests agree iff the replicated state does, and each names the
-        whole model; no rank holds more than one shard's bytes for it."""
+        the ranks exchange these hex strings, and each rank's digest is its replicated state plus the
+        shard digests of every rank of its replica (HSDP: the ranks of its "dp_replicate" coordinate,
+        whose shards together are one whole model; one replica without HSDP). So the digests agree iff
+        the replicated state and the replicas do, and each names the whole model; no rank holds more
+        than one shard's bytes for it."""
         h = hashlib.sha256()
         for name, t in replicated:
             hash_tensor(h, name, t)
-        mine = (h.hexdigest(), [digest_of(name, t) for name, t in shards])
+        mine = (h.hexdigest(), [digest_of(name, t) for name, t in shards], self.replica_index)
         every = [mine]
         if self.world_size > 1:
             every = [None] * self.world_size
             dist.all_gather_object(every, mine)
-        model = "".join(d for _, shard_digests in every for d in shard_digests)
-        return [hashlib.sha256((replicated_hex + model).encode()).hexdigest() for replicated_hex, _ in every]
+
+        def model(replica: int) -> str:
+            return "".join(d for _, shard_digests, r in every if r == replica for d in shard_digests)
+
+        return [hashlib.sha256((replicated_hex + model(r)).encode()).hexdigest() for replicated_hex, _, r in every]
+
+    @property
+    def replica_index(self) -> int:
+        """Which copy of the sharded model this rank holds a part of (its "dp_replicate" coordinate)."""
+        if self.device_mesh is None:
+            return 0
+        return dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.get_coordinate()))["dp_replicate"]
 
     def replicas_agree(self, digests: list[str]) -> Optional[bool]:
         """Whether the ranks' `replica_digests` show the same model (None: nothing is replicated)."""
