@@ -192,6 +192,10 @@ class FSDPStrategy(Strategy):
         if self.tensor_parallel > 1:  # TP inside the layers first, then FSDP over the data-parallel ranks
             model = apply_tensor_parallel(model, self.full_mesh["tp"], loss_parallel=self.loss_parallel)
         self.mesh = self.shard_mesh()
+        if self.tensor_parallel > 1:
+            # a flattened (data-parallel..., "tp") group: DTensor then reduces a norm over both in one
+            # all-reduce instead of one per dimension (and stops warning each rank that it does not)
+            self.full_mesh[(*self.mesh.mesh_dim_names, "tp")]._flatten()
         apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32", self.performance)
         if seeded:
             fill_shards(model, self._seed, home)
