@@ -1,11 +1,12 @@
-"""The `parallel:` mesh at run time (issue 30): HSDP, FSDP x TP and TP train the tiny transformer to
-the losses of one process, and a checkpoint written on one mesh resumes on another at the exact data
-position and exports to the plain model.
+"""The `parallel:` mesh at run time (issue 30): HSDP, FSDP x TP and TP train the tiny transformer (and
+TP transformers' Llama) to the losses of one process, a checkpoint written on one mesh resumes on
+another at the exact data position, each exports to the plain model, and the replica check sees a
+drifted HSDP replica.
 
-Every run here reads the same global batch of 4 sequences per step, so each is held to one shared
-one-process reference. The runs are trained by `trainkit.runtime.cell_runner` in three launches for
-the whole module: one of 4 ranks (every 4-rank mesh, one after the other), one of 2 ranks, then one
-plain process (the reference, and the resume of the 2-rank TP checkpoint on one rank).
+Every run here reads the same global batch of 4 sequences per step, so each is held to a one-process
+reference of its model. The runs are trained by `trainkit.runtime.cell_runner` in three launches for
+the whole module: one of 4 ranks (every 4-rank mesh, one after the other), one of 2 ranks beside it,
+then one plain process (the references, and the resumes of the 4- and 2-rank checkpoints on one rank).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ REFERENCE = {"hf-llama-tp-2": "hf-llama-reference"}  # the one-process run each 
 RESHARDS = {
     "hsdp-2x2-to-fsdp-4": ("hsdp-2x2", _recipe(4, {"dp_shard": 4}, 1)),
     "tp-2-to-1": ("tp-2", _recipe(1, {"tp": 1}, 4)),
+    "hsdp-2x2-to-1": ("hsdp-2x2", _recipe(1, {"tp": 1}, 4)),  # 4 ranks -> 1, data-parallel 4 -> 1
 }
 
 
@@ -106,7 +108,7 @@ def _launch(folder: Path, ranks: int, run_dirs: list[Path], device_env: dict) ->
 def train_mesh_runs(folder: Path, *, device_env: dict, side_by_side: bool) -> None:
     """Train every run of this module under `folder`: the 4-rank launch (beside the 2-rank one when
     `side_by_side`: on the CPU they share the cores; on GPUs each rank needs its own), the 2-rank one,
-    then the one process (it resumes the 2-rank checkpoint). The GPU tier calls this too."""
+    then the one process (it resumes checkpoints of both). The GPU tier calls this too."""
     _write_corpus(folder)
     launches = {4: dict(RUNS_4), 2: dict(RUNS_2), 1: dict(RUNS_1)}
     for name, (source, recipe) in RESHARDS.items():
@@ -119,8 +121,8 @@ def train_mesh_runs(folder: Path, *, device_env: dict, side_by_side: bool) -> No
     if not side_by_side:
         four.join()
     _launch(folder, 2, dirs[2], device_env)
+    four.join()  # the one process resumes checkpoints of both
     _launch(folder, 1, dirs[1], device_env)
-    four.join()
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +180,8 @@ def check_trains_like_one_process(runs: Path, name: str) -> None:
 
 
 # how many pieces each rank's share of a weight is: dp_shard x tp (HSDP's replicas hold the same pieces)
-PIECES = {"hsdp-2x2": 2, "fsdp-tp-2x2": 4, "tp-2": 2, "hsdp-2x2-to-fsdp-4": 4, "tp-2-to-1": 1, "hf-llama-tp-2": 2}
+PIECES = {"hsdp-2x2": 2, "fsdp-tp-2x2": 4, "tp-2": 2, "hsdp-2x2-to-fsdp-4": 4, "tp-2-to-1": 1, "hsdp-2x2-to-1": 1,
+          "hf-llama-tp-2": 2}
 QUERY_WEIGHT = {"hf-llama-tp-2": "model.model.model.layers.0.self_attn.q_proj.weight"}
 
 
