@@ -2,6 +2,7 @@
 (issue 28, item 5), side by side in one 2-rank group, through trainkit's own Checkpointer.
 
     python bench/checkpoint_blocking.py [--strategy fsdp|ddp] [--pairs 5] [--hidden 4096 --depth 6]
+                                        [--device cuda --nproc 1]   # on a GPU node: staging is a device-to-host copy
 
 The model is the issue's ~100M-parameter MLP (`in_features 4096, hidden 4096, depth 6`) with AdamW
 state filled by one step, built and wrapped as the training worker does. Each pair saves once
@@ -28,7 +29,7 @@ from pathlib import Path
 BATCH_PER_RANK = 8
 
 
-def write_recipe(folder: Path, strategy: str, hidden: int, depth: int) -> Path:
+def write_recipe(folder: Path, strategy: str, hidden: int, depth: int, nproc: int = 2) -> Path:
     import yaml
 
     recipe = {
@@ -37,14 +38,14 @@ def write_recipe(folder: Path, strategy: str, hidden: int, depth: int) -> Path:
         "data": {"name": "synthetic", "batch_size": BATCH_PER_RANK, "num_samples": 64, "shape": [4096],
                  "num_classes": 10},
         "strategy": {"name": strategy}, "precision": "fp32", "optimizer": {"name": "adamw", "lr": 1.0e-4},
-        "trainer": {"max_steps": 10}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False},
+        "trainer": {"max_steps": 10}, "launch": {"nproc_per_node": nproc}, "tracking": {"enabled": False},
     }
     path = folder / f"{strategy}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
 
-def worker(recipe_path: str, pairs: int, folder: str, out: str) -> None:
+def worker(recipe_path: str, pairs: int, folder: str, out: str, device_type: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
 
@@ -56,15 +57,20 @@ def worker(recipe_path: str, pairs: int, folder: str, out: str) -> None:
     from trainkit.runtime.precision import Precision
 
     recipe = resolve(recipe_path).recipe
-    device = torch.device("cpu")
-    dist.init_process_group("gloo")
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     precision = Precision(recipe.precision, device)
     strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision, recipe=recipe)
     model, _ = build_initial_model(recipe.model, strategy, recipe.seed)
     n_params = sum(p.numel() for p in model.parameters())
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     loss_fn = torch.nn.CrossEntropyLoss()
-    x, y = torch.randn(BATCH_PER_RANK, 4096), torch.randint(0, 10, (BATCH_PER_RANK,))
+    x, y = torch.randn(BATCH_PER_RANK, 4096, device=device), torch.randint(0, 10, (BATCH_PER_RANK,), device=device)
 
     def step() -> None:
         strategy.forward_backward(model, x, y, loss_fn, precision, grad_accum_steps=1, last_micro_step=True)
@@ -81,6 +87,8 @@ def worker(recipe_path: str, pairs: int, folder: str, out: str) -> None:
         pair, second = divmod(i - 1, 2)
         kind = ("sync", "async")[(pair + second) % 2]  # sync, async, async, sync, sync, async, ...
         step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
         savers[kind].save(i, model, optimizer, {"step": i})
@@ -101,19 +109,21 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU with --device cuda)")
     parser.add_argument("--folder", default=None, help="where the checkpoints go (default: a temporary folder)")
     parser.add_argument("--worker", nargs=3, metavar=("RECIPE", "FOLDER", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], args.pairs, args.worker[1], args.worker[2])
+        worker(args.worker[0], args.pairs, args.worker[1], args.worker[2], args.device)
         return 0
     with tempfile.TemporaryDirectory(dir=args.folder) as tmp:
         folder = Path(tmp)
-        recipe = write_recipe(folder, args.strategy, args.hidden, args.depth)
+        recipe = write_recipe(folder, args.strategy, args.hidden, args.depth, args.nproc)
         out = folder / "result.json"
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               "--pairs", str(args.pairs), "--worker", str(recipe), str(folder / "checkpoints"), str(out)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               __file__, "--pairs", str(args.pairs), "--device", args.device, "--worker", str(recipe), str(folder / "checkpoints"), str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             print(proc.stderr[-4000:], file=sys.stderr)
@@ -125,7 +135,7 @@ def main() -> int:
         return statistics.median(r[key] for r in rows if r["kind"] == kind)
 
     sync, blocked, finished = median("sync", "blocked_s"), median("async", "blocked_s"), median("async", "finished_s")
-    print(f"{result['strategy']}, 2 ranks, {result['params'] / 1e6:.0f}M parameters + AdamW state, "
+    print(f"{result['strategy']}, {args.nproc} rank(s) on {args.device}, {result['params'] / 1e6:.0f}M parameters + AdamW state, "
           f"{args.pairs} pairs (medians):")
     print("| save | training blocked per save | written and sealed after |")
     print("|---|---|---|")
