@@ -87,8 +87,9 @@ LAYOUT = (
     (f"{LIVE}/{BREAKDOWN}", "every rank's step phases of the last log interval, for `trainkit top`"),
     (f"{LIVE}/memory-rank<R>.json", "each rank's phase (build, step N, checkpoint N, end), peak memory and limit: "
                                     "what the out-of-memory report says"),
-    (f"{LIVE}/progress-rank<R>.json, {LIVE}/stacks-rank<R>.txt", "each rank's step and phase (the hang watch reads "
-                                                                "it) and its stacks when a hang was declared"),
+    (f"{LIVE}/progress-rank<R>.json, {LIVE}/stacks-rank<R>.txt, {LIVE}/stacks-rank<R>-loader-<pid>.txt",
+     "each rank's step and phase (the hang watch reads it) and its stacks, and its DataLoader workers', when a "
+     "hang was declared"),
     (f"{REPORTS}/{HANG}, {REPORTS}/{NCCL_TRACE}<R>", "the hang report (docs/running.md, 'When a run hangs'); NCCL's "
                                                    "Flight Recorder dumps on a collective timeout"),
     (f"{TRACKING}/", "the MLflow spool: what is still to be delivered"),
