@@ -53,7 +53,7 @@ def unreachable(recipe: Recipe, host_name: str) -> Optional[str]:
         if why is None:
             return None
         remaining = deadline - time.monotonic()
-        if "does not resolve" in why or remaining <= 0:
+        if remaining <= 0:  # a name that does not resolve yet is waited for too (a pod's DNS comes late)
             break
         time.sleep(min(RETRY_S, remaining))
     return (f"not started: the rendezvous endpoint {host}:{port} (launch.rdzv_endpoint) did not accept a "
