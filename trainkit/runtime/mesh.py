@@ -18,12 +18,11 @@ if TYPE_CHECKING:
 # outermost first, as torchtitan lays them out: a pipeline's stages are furthest apart, the ranks of
 # one tensor-parallel group adjacent (one node's fast links)
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
-DATA_PARALLEL = ("dp_replicate", "dp_shard")  # the ranks that read different batches
 
 
 def degrees(dims: "ParallelDims") -> tuple[int, ...]:
-    """The degree of each of DIM_NAMES (a `ParallelDims` without `tp` has tensor parallel 1)."""
-    return tuple(int(getattr(dims, name, 1)) for name in DIM_NAMES)
+    """The degree of each of DIM_NAMES."""
+    return tuple(int(getattr(dims, name)) for name in DIM_NAMES)
 
 
 def build_mesh(dims: "ParallelDims", device_type: str) -> "DeviceMesh":
@@ -33,15 +32,10 @@ def build_mesh(dims: "ParallelDims", device_type: str) -> "DeviceMesh":
     return init_device_mesh(device_type, degrees(dims), mesh_dim_names=DIM_NAMES)
 
 
-def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The ("dp_replicate", "dp_shard") sub-mesh: FSDP shards on it (HSDP when both are > 1)."""
-    return mesh[DATA_PARALLEL]
-
-
 def data_parallel_coordinate(mesh: "DeviceMesh") -> tuple[int, int]:
     """(this rank's index, the count) among the data-parallel groups: ranks that differ only in "tp" or
-    "pp" read the same batch. Read from the mesh's coordinate, not a sliced sub-mesh (slicing builds
-    process groups: seconds on a loaded CPU, for a number)."""
+    "pp" read the same batch. Read from the mesh's coordinate, not a sliced sub-mesh (a first slice
+    imports torch._dynamo and builds process groups: seconds on a loaded CPU, for a number)."""
     at = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     size = dict(zip(mesh.mesh_dim_names, mesh.shape))
     return at["dp_replicate"] * size["dp_shard"] + at["dp_shard"], size["dp_replicate"] * size["dp_shard"]
