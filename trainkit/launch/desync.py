@@ -15,8 +15,10 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from ..runtime.fatal import COLLECTIVE_MISMATCH
+
 DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-MISMATCH = "Detected mismatch between collectives on ranks"
+MISMATCH = COLLECTIVE_MISMATCH
 _SIDE = re.compile(r"Rank (\d+) is running collective: (CollectiveFingerPrint\(.*?)(?=, but Rank \d+ is running|$)",
                    re.S)
 

@@ -411,6 +411,8 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
             reason = redact(f"training failed: {announcer.fatal['message']}; not restarting (a restart would "
                             f"repeat it; worker logs: {run_dir / LOGS})"
                             + (f"\n{oom.advice(recipe)}" if oom.is_out_of_memory(announcer.fatal) else ""))
+            mismatch = desync.explain({"marker": announcer.fatal["message"]})  # the marking rank's own error
+            reason = f"{reason}\n{mismatch}" if mismatch else reason
             print(f"trainkit: {reason}", file=sys.stderr, flush=True)
             return 1, _with_disk_full_note(reason, run_dir)
         return _stopped(int(exc.sigval), run_dir, launch_dir)

@@ -1,10 +1,10 @@
 """The fatal marker (RUN_DIR/fatal.json): the last attempt failed in a way a restart only repeats.
 
 Why a file: torchrun's agent restarts the workers on its own, without asking the launcher, so the
-restarted ranks must learn from the run directory that a NaN, a full disk or an out-of-memory
+restarted ranks must learn from the run directory that a NaN, a full disk, an out-of-memory
 (docs/memory.md: the rank's own MemoryError / CUDA OOM, or the launcher's finding that the OOM killer
-ended a rank) ended the previous attempt, and stop at once instead of redoing the work
-(docs/running.md). A new `trainkit run` is a
+ended a rank) or a collective desync caught by torch's checks ended the previous attempt, and stop at
+once instead of redoing the work (docs/running.md). A new `trainkit run` is a
 deliberate retry and clears the marker.
 """
 
@@ -14,6 +14,17 @@ from pathlib import Path
 
 from ..run_dir import FATAL, read_fatal, write_fatal
 from .checkpoint_layout import disk_full_message, disk_too_full, failed_save
+
+
+# what torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL: launch.debug_collectives) raise on every
+# rank when the ranks call different collectives; the same code on the same data desyncs again after a
+# restart from the last checkpoint
+COLLECTIVE_MISMATCH = "Detected mismatch between collectives on ranks"
+
+
+def is_collective_desync(exc: BaseException) -> bool:
+    """Whether `exc` is torch's report of ranks calling different collectives (a restart repeats it)."""
+    return COLLECTIVE_MISMATCH in str(exc)
 
 
 class NonRetryableError(RuntimeError):

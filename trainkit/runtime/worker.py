@@ -223,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if memory_watch.is_out_of_memory(exc):  # deterministic: the marker stops restarts repeating it
             exc = memory_watch.explained(exc)
             fatal.record(run_dir, exc)
+        elif fatal.is_collective_desync(exc):  # the same step desyncs again after a restart
+            fatal.record(run_dir, exc)
         error_file.report_and_exit(exc, resolved.redact_text)
     except StopRequested as stop:
         print(f"trainkit: rank {dist.get_rank()} stopping on {stop}", file=sys.stderr, flush=True)
