@@ -37,7 +37,16 @@ MESH_ROWS: list[tuple[str, str, str, str, str, str]] = [
     ("fsdp", "transformer", "fp32", "none", "seeded", "replicate"),
     ("fsdp", "mlp", "fp32", "none", "seeded", "replicate"),
     ("pipeline", "transformer", "fp32", "none", "seeded", "pp"),
-    # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension
+    # tensor parallel with each option and precision users combine it with (verified 2026-11-26; before,
+    # only compile crashed and, in one process running them in turn, its leaked token mask failed the rest)
+    ("fsdp", "transformer", "fp32", "checkpointing-selective", "seeded", "tp"),
+    ("fsdp", "transformer", "fp32", "grad_accum", "seeded", "tp"),
+    ("fsdp", "transformer", "fp16-dynamic", "none", "seeded", "tp"),
+    ("fsdp+cpu_offload", "transformer", "fp32", "none", "seeded", "tp"),
+    ("fsdp", "hf-llama", "bf16", "checkpointing-full", "constructor", "tp"),
+    # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension,
+    # compile (performance.compile under tp: the mesh rules)
+    ("fsdp", "transformer", "fp32", "compile", "seeded", "tp"),
     ("fsdp", "mlp", "fp32", "none", "seeded", "tp"),
     ("fsdp", "resnet18", "fp32", "none", "seeded", "tp"),
     ("ddp", "transformer", "fp32", "none", "seeded", "tp"),
