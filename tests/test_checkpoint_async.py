@@ -21,6 +21,8 @@ from cell_launch import train_cells
 from run_helpers import env_for, merged, trainkit, wait_for, write_recipe
 from strategy_runs import RTOL, SEEDED_MLP
 
+from trainkit.runtime.checkpoint_async import DCP_METADATA
+
 pytestmark = pytest.mark.distributed
 
 STEPS = 6
@@ -52,6 +54,9 @@ def test_a_run_saved_in_the_background_trains_and_resumes_as_one_saved_synchrono
     for key in ("losses", "resumed_losses"):
         assert steps(run[key]) == pytest.approx(steps(sync["losses"]), rel=RTOL), key
     assert run["export"]["checkpoint"] == f"step-{STEPS:08d}" and run["export"]["finite"], run["export"]
+    if name == "ddp-async":  # a synchronous DDP save writes model.pt; only the background one writes DCP's shards
+        final = Path(run["run_dir"]) / "checkpoints" / f"step-{STEPS:08d}"
+        assert (final / DCP_METADATA).is_file() and not (final / "model.pt").exists(), sorted(os.listdir(final))
 
 
 def test_the_run_ends_only_when_its_last_background_write_is_sealed(cells):
@@ -96,6 +101,35 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_as_the_
     assert names == [".tmp-step-00000004", "step-00000002"], out[-3000:]
     assert not (ckpts / ".tmp-step-00000004" / "meta.json").exists()
     assert checkpoint_to_resume("auto", ckpts, restart_count=0, warn=False).name == "step-00000002"
+
+
+def test_a_stop_during_a_background_write_lets_it_finish_and_seals_it(tmp_path):
+    """Guards the stop path (SIGTERM: a preemption): the step-4 write sleeps 8 s in DCP's background
+    thread and the launcher is sent SIGTERM meanwhile. The ranks stop, but first give the write in
+    flight up to 20 s to finish, so step-4 is sealed and is the resume point; before, the stop
+    destroyed the process group under the writer and the newest checkpoint was lost."""
+    from trainkit.run_dir import CHECKPOINTS
+    from trainkit.runtime.resume import checkpoint_to_resume
+
+    marks = tmp_path / "marks"
+    recipe = write_recipe(tmp_path, "stopped", ASYNC, strategy={"name": "fsdp"})
+    env = env_for(tmp_path, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step=4,s=8,marks={marks}")
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(list(marks.glob("writing-step-00000004-rank*"))) == 2 or proc.poll() is not None,
+                 timeout=180, what="the step-4 background write")
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0, out[-3000:]
+    ckpts = tmp_path / "runs" / "stopped" / CHECKPOINTS
+    assert (ckpts / "step-00000004" / "meta.json").is_file(), (sorted(p.name for p in ckpts.iterdir()), out[-3000:])
+    assert checkpoint_to_resume("auto", ckpts, restart_count=0, warn=False).name == "step-00000004"
 
 
 @pytest.mark.parametrize("strategy", [{"name": "deepspeed", "zero_stage": 2}, {"name": "pipeline", "microbatches": 2}])

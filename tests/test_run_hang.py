@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -126,3 +127,24 @@ def test_a_rank_whose_loader_worker_is_stuck_is_named_as_waiting_for_its_data(tm
     assert "rank 1 (pid" in result.stderr and "hung at step 6, data" in result.stderr, result.output
     assert not _left_running(tmp_path)
     assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"
+
+
+def test_a_loader_worker_removes_the_stacks_files_of_finished_workers(tmp_path):
+    """Each epoch and evaluation starts new DataLoader workers, each with its own stacks file: a new
+    worker removes those of this rank's finished ones (a dead pid), not a live worker's nor another
+    rank's, so live/ does not fill with one file per worker per epoch."""
+    import subprocess
+    import sys
+
+    from trainkit.run_dir import loader_stacks_path
+    from trainkit.runtime import progress_record
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+    dead, live = loader_stacks_path(tmp_path, 1, finished), loader_stacks_path(tmp_path, 1, os.getpid())
+    other_rank = loader_stacks_path(tmp_path, 0, finished)
+    for path in (dead, live, other_rank):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    progress_record._remove_dead_loader_files(tmp_path, 1)
+    assert not dead.exists() and live.exists() and other_rank.exists()

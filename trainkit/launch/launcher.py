@@ -380,7 +380,9 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
     cmd = _torchrun_command(recipe, run_dir, rendezvous)
-    unreachable = startup.unreachable(recipe, socket.gethostname())  # bounded by launch.join_timeout_s
+    # bounded by launch.join_timeout_s; without a trainkit-served rendezvous (None: torch's agent may host
+    # the store itself, on this very node) there is nothing to wait for before torchrun
+    unreachable = startup.unreachable(recipe, socket.gethostname()) if rendezvous is not None else None
     if unreachable:
         print(f"trainkit: {unreachable}", file=sys.stderr, flush=True)
         return 1, unreachable

@@ -201,6 +201,19 @@ class Checkpointer:
             self.wait()  # the run's last checkpoint is complete when the run ends
         return final
 
+    def finish_on_stop(self, timeout_s: float) -> None:
+        """A stop (SIGTERM/SIGINT: a preemption) with a save in flight: its write gets up to `timeout_s` to
+        finish and be sealed, so the newest checkpoint is not lost to the stop; one still writing after that
+        is left unsealed (never complete-looking), as a synchronous save the stop interrupts."""
+        if self.pending is None:
+            return
+        write = self.pending[0]
+        try:
+            if write.wait(timeout_s):
+                self.pending = None
+        except BaseException:  # noqa: BLE001 -- it failed: the previous checkpoint stays the resume point
+            self.pending = None
+
     def wait(self) -> None:
         """Finish the save in flight, if any (`trainer.checkpoint.async_save`): its errors are raised here,
         a full disk as DiskFullError like a synchronous save's."""

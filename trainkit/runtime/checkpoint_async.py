@@ -50,11 +50,14 @@ class BackgroundWrite:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> None:
-        """Block until the write (and its seal) has finished; raise what went wrong in the background."""
-        self._done.wait()
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        """Block until the write (and its seal) has finished, or `timeout_s` passed (then False); raise
+        what went wrong in the background."""
+        if not self._done.wait(timeout_s):
+            return False
         if self._error is not None:
             raise self._error
+        return True
 
 
 _GROUP = None  # the checkpoint writer's own gloo group, made once per process (a collective: every rank)

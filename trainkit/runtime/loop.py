@@ -344,10 +344,10 @@ class Loop:
         elapsed = time.perf_counter() - t0
         per_rank_stats = self.stats.gather(self.strategy.world_size)
         report_sections = self.monitors.finish()
-        # on the run's device: an nccl group has no CPU backend; pipeline stages all read the same batches
-        replicas = self.strategy.world_size // self.strategy.data_parallel_size
+        # on the run's device (an nccl group has no CPU backend); all_reduce_sum adds over the data-parallel
+        # ranks only, so the tp and pp ranks that read the same batches count each image once
         skipped = int(self.strategy.all_reduce_sum(torch.tensor(self.state.skipped_images, device=self.device))
-                      .item()) // max(1, replicas)
+                      .item())
         done = self.state.step - start_step
         return {
             "name": self.recipe.name, "steps": self.state.step, "steps_this_launch": done,

@@ -74,9 +74,23 @@ def loader_worker_started() -> None:
     file (the fork inherited the rank's handler, which would write into the rank's file)."""
     if _record is None:
         return
+    _remove_dead_loader_files(_record.run_dir, _record.rank)  # each epoch and evaluation starts new workers
     stacks = open(loader_stacks_path(_record.run_dir, _record.rank, os.getpid()), "w")
     faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
     _record.loader_stacks = stacks  # kept open for faulthandler's fd
+
+
+def _remove_dead_loader_files(run_dir: Path, rank: int) -> None:
+    """The stacks files of this rank's earlier, finished loader workers (one per worker per epoch and
+    per evaluation otherwise piles up in live/)."""
+    pattern = loader_stacks_path(run_dir, rank, "*")
+    for path in pattern.parent.glob(pattern.name):
+        try:
+            os.kill(int(path.stem.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, OSError):
+            pass
 
 
 def phase(step: int, name: str) -> None:

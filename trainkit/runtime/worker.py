@@ -56,6 +56,9 @@ from .reports import write_reports, write_summary
 from .timing import Clock, CommTimer, ForwardMarks
 
 
+STOP_SAVE_WAIT_S = 20.0  # on a stop, how long a background checkpoint write may take to finish
+
+
 class StopRequested(KeyboardInterrupt):
     """SIGTERM/SIGINT arrived: unwind (discarding a half-written checkpoint) and exit non-zero."""
 
@@ -158,6 +161,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         monitors.call("on_exception", exc)
         raise
     except BaseException as exc:
+        if isinstance(exc, StopRequested):  # torchrun's grace before SIGKILL is 30 s
+            checkpointer.finish_on_stop(STOP_SAVE_WAIT_S)
         monitors.call("on_exception", exc)
         raise
     finally:
