@@ -112,7 +112,9 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
-    seed_everything(seed + rank)  # per-rank randomness (augmentation, dropout)
+    # per-rank randomness (augmentation, dropout), shared by the ranks of one tensor-parallel group (the
+    # innermost mesh dimension: neighbouring ranks), whose replicated activations must drop the same units
+    seed_everything(seed + rank // dims.tp)
     task = registry.component(recipe.task)(recipe.task, device=device, recipe=recipe)
 
     train_set, eval_set = build_datasets(recipe.data, seed)
