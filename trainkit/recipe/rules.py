@@ -173,6 +173,15 @@ def split_strategies_need_a_splittable_model(r: Recipe) -> Iterator[Finding]:
 
 
 @rule
+def background_save_fits_the_strategy(r: Recipe) -> Iterator[Finding]:
+    why = r.strategy.capabilities().background_save_refusal
+    if r.trainer.checkpoint.async_save and why:
+        yield ("trainer", "checkpoint", "async_save"), (
+            f"strategy {r.strategy.name} cannot save in the background: {why}; set trainer.checkpoint.async_save: "
+            "false (ddp and fsdp save in the background)")
+
+
+@rule
 def performance_options_fit_the_strategy(r: Recipe) -> Iterator[Finding]:
     p, s = r.performance, r.strategy
     defaults = type(p)()

@@ -25,7 +25,7 @@ class DDPOptions(StrategyOptions):
     powersgd_rank: PositiveInt = Field(default=1, description="matrix approximation rank for comm_hook: powersgd")
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(bucketed_allreduce=True, unsupported_performance={})
+        return Capabilities(bucketed_allreduce=True, unsupported_performance={}, background_save_refusal="")
 
     def memory_layout(self, world_size: int) -> MemoryLayout:
         # every rank a whole replica; the reducer's buckets copy the gradients unless they are its views

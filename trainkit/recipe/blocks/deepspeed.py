@@ -46,6 +46,8 @@ class DeepSpeedOptions(StrategyOptions):
         # mesh: one data-parallel dimension, the one `parallel_dims` lays the world out on (ZeRO 1-3
         # partition over every rank: dp_shard; ZeRO 0 replicates); DeepSpeed builds its own groups.
         return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True,
+                            background_save_refusal="DeepSpeed writes its checkpoints through its engine's own "
+                                                    "save, which has no background write here",
                             owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release",
                             contiguous_parameters=True, mesh_dims=frozenset(
                                 {"dp_replicate" if self.zero_stage == 0 else "dp_shard"}))
@@ -82,10 +84,6 @@ class DeepSpeedOptions(StrategyOptions):
         zero = self.config.get("zero_optimization", {})
         if isinstance(zero, dict) and "stage" in zero:
             yield ("strategy", "config", "zero_optimization", "stage"), "use strategy.zero_stage"
-        if recipe.trainer.checkpoint.async_save:
-            yield ("trainer", "checkpoint", "async_save"), (
-                "deepspeed writes its checkpoints through its engine's own save, which has no background write "
-                "here; use async_save with ddp or fsdp, or set it to false")
 
     def runs_cpu_adam(self, recipe: Any) -> bool:
         """Optimizer offload steps in DeepSpeed's CPU Adam (DeepSpeedCPUAdam) unless `torch_optimizer_reason`."""

@@ -28,7 +28,7 @@ class FSDPOptions(StrategyOptions):
         # full_tensor(), the GradScaler's found-inf all-reduce and the replica digests are collectives
         # over CPU tensors, which nccl cannot carry (torchtitan adds cpu:gloo for its CPU offload too).
         # host memory: retain fragments the heap around FSDP's buffers (peak RSS 2x, bench).
-        return Capabilities(shards_parameters=True, cpu_collectives=self.cpu_offload, host_memory_on_cpu="release",
+        return Capabilities(shards_parameters=True, background_save_refusal="", cpu_collectives=self.cpu_offload, host_memory_on_cpu="release",
                             contiguous_parameters=True, mesh_dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
                             unsupported_performance={"sync_batchnorm": (
                                 "FSDP2 does not synchronise BatchNorm buffers through SyncBatchNorm's process "

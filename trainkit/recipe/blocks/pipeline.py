@@ -31,7 +31,10 @@ class PipelineOptions(StrategyOptions):
         # no fp16 loss scaling across stages: fp16 is refused by `validate` (the precision rule)
         # channels_last: a traced ResNet's stage sent its NHWC activation and torch's P2P send refused it
         # ("input tensor has to be contiguous"; found by the compatibility grid)
-        return Capabilities(splits_model=True, reshards_on_load=False, precisions=frozenset({"fp32", "bf16"}),
+        return Capabilities(splits_model=True, reshards_on_load=False,
+                            background_save_refusal="the pipeline writes one file per stage of its own, with no "
+                                                    "background write",
+                            precisions=frozenset({"fp32", "bf16"}),
                             mesh_dims=frozenset({"pp", "dp_replicate"}),
                             unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "channels_last": (
                                 "torch.distributed.pipelining sends activations between stages with P2P send/recv, "
@@ -56,10 +59,6 @@ class PipelineOptions(StrategyOptions):
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         s, r = self, recipe
-        if r.trainer.checkpoint.async_save:
-            yield ("trainer", "checkpoint", "async_save"), (
-                "the pipeline writes one file per stage of its own, with no background write; use async_save "
-                "with ddp or fsdp, or set it to false")
         yield from self._agrees_with_the_mesh(r)
         if r.data.batch_size % s.microbatches:
             yield ("strategy", "microbatches"), (

@@ -74,6 +74,8 @@ class Capabilities:
     precisions: the `precision` values it trains in.
     mesh_dims: the mesh dimensions (`MESH_DIMS`) a `parallel:` block may give a degree above 1.
     unsupported_performance: performance option -> why this strategy cannot apply it, with the fix.
+    background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
+        ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
     """
 
     bucketed_allreduce: bool = False
@@ -88,6 +90,9 @@ class Capabilities:
     precisions: frozenset = PRECISIONS
     mesh_dims: frozenset = frozenset({"dp_replicate"})
     unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
+    background_save_refusal: str = ("its checkpoint is not declared to be the model's and optimizer's DCP state "
+                                    "dicts (Capabilities.background_save_refusal), which is what a background "
+                                    "write saves")
 
 
 @dataclass(frozen=True, kw_only=True)
