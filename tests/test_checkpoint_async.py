@@ -73,6 +73,26 @@ def test_the_run_ends_only_when_its_last_background_write_is_sealed(cells):
     assert not list((run["run_dir"] / "checkpoints").glob(".tmp-*"))
 
 
+def start_with_a_slow_step_4_write(tmp_path: Path, name: str, *, seconds: float) -> subprocess.Popen:
+    """`trainkit run` of an FSDP async_save recipe whose step-4 background write sleeps `seconds` (the
+    tests' fault hook), returned once both ranks are inside that write."""
+    marks = tmp_path / "marks"
+    recipe = write_recipe(tmp_path, name, ASYNC, strategy={"name": "fsdp"})
+    env = env_for(tmp_path, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step=4,s={seconds},marks={marks}")
+    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(list(marks.glob("writing-step-00000004-rank*"))) == 2 or proc.poll() is not None,
+                 timeout=180, what="the step-4 background write")
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise
+    return proc
+
+
 def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_as_the_resume_point(tmp_path):
     """Guards the completion marker: the step-4 write sleeps in DCP's background thread while the
     ranks train on (step 6's save then waits for it: at most one in flight); SIGKILL then. The
@@ -81,14 +101,8 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_as_the_
     from trainkit.run_dir import CHECKPOINTS, METRICS
     from trainkit.runtime.resume import checkpoint_to_resume
 
-    marks = tmp_path / "marks"
-    recipe = write_recipe(tmp_path, "killed", ASYNC, strategy={"name": "fsdp"})
-    env = env_for(tmp_path, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step=4,s=600,marks={marks}")
-    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_with_a_slow_step_4_write(tmp_path, "killed", seconds=600)
     try:
-        wait_for(lambda: len(list(marks.glob("writing-step-00000004-rank*"))) == 2 or proc.poll() is not None,
-                 timeout=180, what="the step-4 background write")
         metrics = tmp_path / "runs" / "killed" / METRICS
         wait_for(lambda: '"step": 6' in (metrics.read_text() if metrics.is_file() else "") or proc.poll() is not None,
                  timeout=60, what="training on while step 4 is written")  # a blocking save never gets there
@@ -105,21 +119,20 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_as_the_
 
 def test_a_stop_during_a_background_write_lets_it_finish_and_seals_it(tmp_path):
     """Guards the stop path (SIGTERM: a preemption): the step-4 write sleeps 8 s in DCP's background
-    thread and the launcher is sent SIGTERM meanwhile. The ranks stop, but first give the write in
-    flight up to 20 s to finish, so step-4 is sealed and is the resume point; before, the stop
-    destroyed the process group under the writer and the newest checkpoint was lost."""
+    thread, the loop reaches step 6's save (which waits for it) and the launcher is sent SIGTERM. The
+    ranks stop, but first give the write in flight up to 20 s to finish, so step-4 is sealed and is
+    the resume point; before, the stop discarded the write it interrupted the wait for (or destroyed
+    the process group under the writer) and the newest checkpoint was lost."""
     from trainkit.run_dir import CHECKPOINTS
     from trainkit.runtime.resume import checkpoint_to_resume
 
-    marks = tmp_path / "marks"
-    recipe = write_recipe(tmp_path, "stopped", ASYNC, strategy={"name": "fsdp"})
-    env = env_for(tmp_path, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step=4,s=8,marks={marks}")
-    proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_for(lambda: len(list(marks.glob("writing-step-00000004-rank*"))) == 2 or proc.poll() is not None,
-                 timeout=180, what="the step-4 background write")
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
+    from trainkit.run_dir import METRICS
+
+    proc = start_with_a_slow_step_4_write(tmp_path, "stopped", seconds=8)
+    try:  # the stop reaches the loop waiting in step 6's save for step 4's write (at most one in flight)
+        metrics = tmp_path / "runs" / "stopped" / METRICS
+        wait_for(lambda: '"step": 6' in (metrics.read_text() if metrics.is_file() else "") or proc.poll() is not None,
+                 timeout=60, what="step 6, whose save waits for step 4's write")
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=90)[0]
     finally:

@@ -223,6 +223,9 @@ class Checkpointer:
         self.pending = None
         try:
             write.wait()
+        except KeyboardInterrupt:  # a stop arrived while waiting: the write goes on, finish_on_stop decides
+            self.pending = (write, tmp, final)
+            raise
         except BaseException as exc:
             self._failed(exc, tmp, final)
 
