@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from run_helpers import env_for, mlp_recipe
+from run_helpers import env_for, mlp_recipe, wait_for
 from test_run_hang import _left_running
 
 from trainkit.launch import startup
@@ -28,6 +28,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def _agent(tmp_path, recipe) -> subprocess.Popen:
@@ -47,6 +55,9 @@ def test_a_node_killed_while_the_rendezvous_gathers_ends_the_other_after_join_ti
                                                      "rdzv_endpoint": f"127.0.0.1:{port}",
                                                      "join_timeout_s": JOIN_TIMEOUT_S})
     first = _agent(tmp_path, recipe)
+    # node 0 is the agent that serves the endpoint: the second starts once it listens (started together,
+    # either could bind it first, and killing the one that serves leaves the other facing a closed port)
+    wait_for(lambda: _accepts(port) or first.poll() is not None, timeout=60, what="node 0 serving the rendezvous")
     second = _agent(tmp_path, recipe)
     try:
         for line in second.stdout:  # its launch begins: the next step is the rendezvous
