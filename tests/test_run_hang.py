@@ -131,7 +131,7 @@ def test_a_rank_whose_loader_worker_is_stuck_is_named_as_waiting_for_its_data(tm
 
 def test_a_loader_worker_removes_the_stacks_files_of_finished_workers(tmp_path):
     """Each epoch and evaluation starts new DataLoader workers, each with its own stacks file: a new
-    worker removes those of this rank's finished ones (a dead pid), not a live worker's nor another
+    worker (`progress_record.loader_worker_started`) removes those of this rank's finished ones (a dead pid), not a live worker's nor another
     rank's, so live/ does not fill with one file per worker per epoch."""
     import subprocess
     import sys
@@ -146,5 +146,16 @@ def test_a_loader_worker_removes_the_stacks_files_of_finished_workers(tmp_path):
     for path in (dead, live, other_rank):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
-    progress_record._remove_dead_loader_files(tmp_path, 1)
+    import faulthandler
+    from types import SimpleNamespace
+
+    # what a rank's new DataLoader worker runs first (worker_init_fn), here in this process
+    record = SimpleNamespace(run_dir=tmp_path, rank=1, loader_stacks=None)
+    saved, progress_record._record = progress_record._record, record
+    try:
+        progress_record.loader_worker_started()
+    finally:
+        progress_record._record = saved
+        faulthandler.unregister(progress_record.STACKS_SIGNAL)
+        record.loader_stacks.close()
     assert not dead.exists() and live.exists() and other_rank.exists()

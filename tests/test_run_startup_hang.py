@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from run_helpers import env_for, mlp_recipe, wait_for
+from run_helpers import env_for, free_port, mlp_recipe, wait_for
 from test_run_hang import _left_running
 
 from trainkit.launch import startup
@@ -22,12 +22,6 @@ from trainkit.recipe.resolver import resolve
 pytestmark = pytest.mark.distributed
 
 JOIN_TIMEOUT_S = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _accepts(port: int) -> bool:
@@ -50,7 +44,7 @@ def test_a_node_killed_while_the_rendezvous_gathers_ends_the_other_after_join_ti
     node 0 waited torch's 600 s and then failed with a bare 'RendezvousTimeoutError'. Now it ends after
     the join timeout, saying that the rendezvous did not gather 2 nodes, that a node is missing and
     why that may be; nothing is left running."""
-    port = _free_port()
+    port = free_port()
     recipe = mlp_recipe(tmp_path, "gather", launch={"nproc_per_node": 1, "nnodes": 2, "rdzv_id": "g",
                                                      "rdzv_endpoint": f"127.0.0.1:{port}",
                                                      "join_timeout_s": JOIN_TIMEOUT_S})
@@ -86,7 +80,7 @@ def test_an_endpoint_that_refuses_this_node_is_named_within_join_timeout(tmp_pat
     launch.rdzv_endpoint / MASTER_ADDR, node 0 not started, a firewall that rejects). Before, torch's
     store retried for minutes printing C++ stack traces. Now the launch stops after
     launch.join_timeout_s, naming the endpoint, what the connection said, and the likely causes."""
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     recipe = resolve(mlp_recipe(tmp_path, "refused", launch={
         "nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}", "join_timeout_s": 2})).recipe
     started = time.monotonic()
