@@ -191,3 +191,29 @@ def test_a_full_disk_during_a_background_write_is_reported_as_a_synchronous_save
         assert "rank 0 failed: DiskFullError" in out and "not restarting" in out, out[-4000:]
         assert "the worker group restarts" not in out, out[-4000:]
         assert newest_valid(disk / "filling" / "checkpoints", warn=False) == first
+
+
+def test_async_save_on_a_batchnorm_cnn_and_the_transformer_in_each_precision_and_under_tp(tmp_path):
+    """Guards async_save in combination (each pair in one 2-rank launch, as the grid's cells): a
+    ResNet-18 (BatchNorm buffers) under FSDP in bf16 and DDP in fp32, the transformer under FSDP in
+    fp16 with dynamic loss scaling, DDP in bf16 and tensor parallel 2. Each trains to exactly the
+    losses of its synchronously saved twin, resumes from the background-written step-2 checkpoint to
+    the same losses, and exports."""
+    from grid_runs import _write_corpus
+    from trainkit.recipe.compatibility.grid import Cell, merge
+
+    _write_corpus(tmp_path)  # the transformer's corpus and tokenizer, where the launch runs
+    cells = [Cell("fsdp", "resnet18", "bf16"), Cell("ddp", "resnet18", "fp32"),
+             Cell("fsdp", "transformer", "fp16-dynamic"), Cell("ddp", "transformer", "bf16"),
+             Cell("fsdp", "transformer", "fp32", mesh="tp")]
+    recipes = {}
+    for i, cell in enumerate(cells):
+        recipes[f"c{i}-sync"] = cell.recipe()
+        recipes[f"c{i}-async"] = merge(cell.recipe(), {"trainer": {"checkpoint": {"async_save": True}}})
+    results = train_cells(tmp_path, recipes, timeout=400)
+    for i, cell in enumerate(cells):
+        run, sync = results[f"c{i}-async"], results[f"c{i}-sync"]
+        assert "error" not in run, (cell.id, run)
+        assert run["losses"] == sync["losses"] and run["resumed_losses"] == run["losses"], (cell.id, run, sync)
+        assert run["resumed_from"] == "step-00000002" and run["export"]["finite"], (cell.id, run)
+        assert (Path(run["run_dir"]) / "checkpoints" / "step-00000002" / DCP_METADATA).is_file(), cell.id
