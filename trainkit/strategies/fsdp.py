@@ -142,10 +142,9 @@ def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def clip_grad_norm_on_meshes(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torchtitan's `clip_grad_norm_` (`get_total_norm` of the DTensor gradients, `full_tensor()` of
-    the partial result, `clip_grads_with_norm_`) done per gradient mesh: one norm per mesh, each
-    reduced over its own mesh, combined into the global norm, and each mesh's gradients scaled by it."""
+def grad_norm_on_meshes(params: list[nn.Parameter]) -> tuple[list[list[nn.Parameter]], torch.Tensor]:
+    """(the parameters with gradients grouped by mesh, the 2-norm of all their gradients): one norm per
+    gradient mesh, each reduced over its own mesh (`full_tensor()` of the partial result), combined."""
     from torch.distributed.tensor import DTensor
 
     groups = by_mesh([p for p in params if p.grad is not None])
@@ -154,11 +153,27 @@ def clip_grad_norm_on_meshes(params: list[nn.Parameter], max_norm: float) -> tor
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
-        return torch.zeros(())
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return groups, torch.zeros(())
+    return groups, norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clip_grad_norm_on_meshes(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torchtitan's `clip_grad_norm_` (`get_total_norm` of the DTensor gradients, `full_tensor()` of
+    the partial result, `clip_grads_with_norm_`) done per gradient mesh (`grad_norm_on_meshes`), each
+    mesh's gradients scaled by the global norm."""
+    groups, total = grad_norm_on_meshes(params)
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def shard_mesh_of(mesh):
+    """FSDP's mesh in the run's 4-D mesh: 1-D "dp_shard" (plain FSDP), or the 2-D ("dp_replicate",
+    "dp_shard") sub-mesh when there are replicas: `fully_shard` on a 2-D mesh is HSDP (shard within a
+    group, all-reduce across)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -225,12 +240,8 @@ class FSDPStrategy(Strategy):
         return self.tensor_parallel > 1
 
     def shard_mesh(self):
-        """FSDP's mesh: 1-D "dp_shard" (plain FSDP), or the 2-D ("dp_replicate", "dp_shard") sub-mesh when
-        there are replicas: `fully_shard` on a 2-D mesh is HSDP (shard within a group, all-reduce across)."""
-        mesh = self.full_mesh
-        if mesh["dp_replicate"].size() > 1:
-            return mesh["dp_replicate", "dp_shard"]
-        return mesh["dp_shard"]
+        """FSDP's mesh (`shard_mesh_of`): "dp_shard", or ("dp_replicate", "dp_shard") for HSDP."""
+        return shard_mesh_of(self.full_mesh)
 
     def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
         """The MixedPrecisionPolicy casts parameters and inputs, so no autocast here. Under loss parallel

@@ -23,6 +23,11 @@ Pipeline x data parallel (`data_parallel: D`, 2-D): the ranks form a ("pp", "dp"
 possible; a pipeline spans the mesh's outer dimension). Each of the D pipelines reads its own share of
 the data; before each optimizer step every stage's gradients are averaged over its "dp" group (one
 coalesced all-reduce per step, see `_average_gradients_over_pipelines`).
+
+Sharded stages (a `parallel:` block with pp > 1 and dp_shard and/or tp above 1, 3-D): the run's 4-D
+mesh; each stage keeps the model's own names, is split by the model's tensor-parallel plan on "tp" and
+`fully_shard`ed over "dp_shard" (`pipeline_sharded`), FSDP reduces the gradients, and checkpoints are
+DCP's (they load on another mesh).
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..recipe.blocks import PipelineOptions
+from ..recipe.blocks.pipeline import sharded_stages
 from ..recipe.problems import did_you_mean
 from ..runtime.files import fsync_save
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, compile_module
 from .base import Strategy, hash_tensor
+from .pipeline_sharded import clip_grad_norm_across_stages, load_sharded, save_sharded, shard_stage
 from .pipeline_stages import (
     SplitError,
     StageModule,
@@ -49,6 +56,7 @@ from .pipeline_stages import (
     example_inputs,
     flatten_blocks,
     is_sequential,
+    nested_stage,
     plan_stages,
     stage_count,
     stage_flops,
@@ -67,28 +75,38 @@ class PipelineStrategy(Strategy):
     pp_group = dp_group = None  # None: the world (one pipeline); set by setup() for data_parallel > 1
 
     @property
+    def sharded(self) -> bool:
+        """Stages split by tensor parallel and/or sharded by FSDP on the run's mesh (3-D)."""
+        return self.dims is not None and sharded_stages(self.dims)
+
+    @property
     def data_parallel_rank(self) -> int:
+        if self.sharded:
+            return super().data_parallel_rank  # the mesh's ("dp_replicate", "dp_shard") coordinate
         return self.rank % self.options.data_parallel  # the mesh's inner "dp" coordinate
 
     @property
     def data_parallel_size(self) -> int:
-        return self.options.data_parallel
+        return super().data_parallel_size if self.sharded else self.options.data_parallel
 
     @property
     def pipeline_rank(self) -> int:
         """This rank's place in its pipeline (the mesh's outer "pp" coordinate)."""
-        return self.rank // self.options.data_parallel
+        return self.rank // (self.world_size // self.pipeline_size)
 
     @property
     def pipeline_size(self) -> int:
         """Ranks per pipeline."""
-        return self.world_size // self.options.data_parallel
+        return self.dims.pp if self.sharded else self.world_size // self.options.data_parallel
 
     def _global_rank(self, pipeline_rank: int) -> int:
         """The global rank holding place `pipeline_rank` of this rank's pipeline."""
         return pipeline_rank * self.options.data_parallel + self.data_parallel_rank
 
     def _mesh_groups(self) -> None:
+        if self.sharded:  # the run's mesh; FSDP reduces over the data-parallel ranks (no dp_group)
+            self.pp_group = self.device_mesh["pp"].get_group()
+            return
         if self.options.data_parallel == 1:
             return
         from torch.distributed.device_mesh import init_device_mesh
@@ -127,6 +145,8 @@ class PipelineStrategy(Strategy):
 
         perf = self.performance
         self._mesh_groups()
+        if self.sharded:
+            return self._setup_sharded(model, optimizer_factory)
         ac_names = checkpointed_names(model, perf.checkpointing)
         stage = lambda m, i: PipelineStage(m, i, self.num_stages, self.device, group=self.pp_group)  # noqa: E731
         if is_sequential(model):
@@ -171,6 +191,26 @@ class PipelineStrategy(Strategy):
                              f"choose split points that give every rank some layers")
         return container, optimizer_factory(kept)
 
+    def _setup_sharded(self, model: nn.Module, optimizer_factory):
+        """Stages that keep the model's names, split on "tp" and sharded on "dp_shard" (`shard_stage`), one
+        optimizer over this rank's part of the model (its stages' blocks, the original names)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        if not is_sequential(model):
+            raise SplitError(f"sharded pipeline stages need an nn.Sequential model; got {type(model).__name__}")
+        self.model_names = [n for n, _ in model.named_parameters()]  # the whole model's, for checkpoints
+        plan = plan_stages(model, self.options, self.pipeline_size)
+        self.num_stages = len(plan)
+        self.stage_ids = stages_of_rank(self.pipeline_rank, self.num_stages, self.pipeline_size)
+        precision = self.precision.name if self.precision else "fp32"
+        self.modules = [shard_stage(nested_stage(plan[i]).to(self.device), model, self.device_mesh, precision,
+                                    self.performance) for i in self.stage_ids]
+        self.stages = [PipelineStage(m, i, self.num_stages, self.device, group=self.pp_group)
+                       for m, i in zip(self.modules, self.stage_ids)]
+        self.schedule = self.eval_schedule = None
+        part = nested_stage([block for i in self.stage_ids for block in plan[i]])  # shares the stages' modules
+        return part, optimizer_factory(part.parameters())
+
     def flops_of_rank(self, model: nn.Module, x: torch.Tensor) -> float:
         """FLOPs of one forward + backward of this rank's stages only (for MFU: a rank is credited
         with the work it does, not the whole model's). `model` is the unsplit model, e.g. on meta."""
@@ -178,11 +218,14 @@ class PipelineStrategy(Strategy):
             return None  # traced stages: counted as the whole model (not split on the meta device)
         plan = plan_stages(model, self.options, self.pipeline_size)
         per_stage = stage_flops([StageModule(blocks) for blocks in plan], x)
-        return sum(per_stage[i] for i in stages_of_rank(self.pipeline_rank, len(plan), self.pipeline_size))
+        mine = sum(per_stage[i] for i in stages_of_rank(self.pipeline_rank, len(plan), self.pipeline_size))
+        return mine / (self.dims.tp if self.sharded else 1)  # a tensor-parallel rank does 1/tp of its stage
 
     @property
     def last_stage_rank(self) -> int:
         """Global rank of the last stage of this rank's pipeline."""
+        if self.sharded:
+            return dist.get_global_rank(self.pp_group, (self.num_stages - 1) % self.pipeline_size)
         return self._global_rank((self.num_stages - 1) % self.pipeline_size)
 
     def _build_schedule(self, loss_fn, grad_accum_steps: int):
@@ -209,12 +252,18 @@ class PipelineStrategy(Strategy):
         losses: list = []
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": losses} if last else {}
-        with precision.autocast():
+        with self._autocast(precision):
             self.schedule.step(*args, **kwargs)
         loss = torch.stack([l.detach().float() for l in losses]).sum() if last else torch.zeros((), device=self.device)
         if self.pipeline_size > 1:
             dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)
         return loss
+
+    def _autocast(self, precision):
+        """Autocast, except on sharded stages: there FSDP's MixedPrecisionPolicy casts (as in the FSDP strategy)."""
+        import contextlib
+
+        return contextlib.nullcontext() if self.sharded else precision.autocast()
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Every rank holds its pipeline's batch loss; with data_parallel > 1, the mean over pipelines."""
@@ -226,7 +275,10 @@ class PipelineStrategy(Strategy):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The norm over all stages: each rank's squared sum, all-reduced along its pipeline (the
-        data-parallel replicas of a stage hold the same, already averaged, gradients)."""
+        data-parallel replicas of a stage hold the same, already averaged, gradients). Sharded stages:
+        each stage's norm over its DTensor meshes, then summed in squares along the pipeline."""
+        if self.sharded:
+            return clip_grad_norm_across_stages(list(model.parameters()), max_norm, self.pp_group)
         params = [p for p in model.parameters() if p.grad is not None]
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for p in params:
@@ -249,7 +301,7 @@ class PipelineStrategy(Strategy):
         if n < full:  # a short last batch: the stages exchange micro-batches of the training shape, so pad
             x = torch.cat([x, x.new_zeros((full - n,) + tuple(x.shape[1:]))])
         kwargs = {"target": torch.zeros(x.shape[0], dtype=torch.long, device=self.device)} if last else {}
-        with precision.autocast():
+        with self._autocast(precision):
             out = self.schedule.eval(*((x,) if first else ()), **kwargs)
         if last:
             out = out[:n]
@@ -276,6 +328,10 @@ class PipelineStrategy(Strategy):
         import hashlib
 
         h = hashlib.sha256()
+        if self.sharded:  # this rank's own pieces of its stages (tensor-parallel slices, FSDP shards)
+            for name, t in sorted(self.unwrap(model).state_dict().items()):
+                hash_tensor(h, name, t.to_local() if hasattr(t, "to_local") else t)
+            return self.gather_digests(h.hexdigest())
         for stage_id, m in zip(self.stage_ids, self.modules):
             for k, v in sorted(m.model_state_dict().items()):
                 if k.rsplit(".", 1)[-1] in BATCHNORM_LOCAL_STATISTICS:  # each replica's own batches: may differ
@@ -287,13 +343,15 @@ class PipelineStrategy(Strategy):
         """Stages are not copies of each other; with data_parallel > 1 the ranks at the same place
         of each pipeline are (same stages, same weights), and their digests must match."""
         d = self.options.data_parallel
-        if d == 1:
+        if d == 1 or self.sharded:  # sharded stages: every piece has one owner
             return None
         places = [digests[p * d:(p + 1) * d] for p in range(len(digests) // d)]  # global rank = p * d + dp
         return all(len(set(peers)) == 1 for peers in places)
 
     # ---- checkpoints: one file per stage (its blocks and its optimizer state), written by its rank
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.sharded:  # DCP, every rank its pieces, the original names
+            return save_sharded(folder, model, optimizer, self.model_names)
         if self.data_parallel_rank != 0:  # replicas of the first pipeline's stages: one copy is written
             return
         full = optimizer.state_dict()
@@ -309,7 +367,10 @@ class PipelineStrategy(Strategy):
                        folder / f"pipeline-stage-{stage_id:03d}.pt")
 
     def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Each rank reads its stages' files; the optimizer state is renumbered to this placement."""
+        """Each rank reads its stages' files; the optimizer state is renumbered to this placement. Sharded
+        stages read DCP's checkpoint of any mesh."""
+        if self.sharded:
+            return load_sharded(folder, model, optimizer)
         current = optimizer.state_dict()
         groups, state = [dict(pg) for pg in current["param_groups"]], {}
         for stage_id, m in zip(self.stage_ids, self.modules):
@@ -366,7 +427,7 @@ class PipelineStrategy(Strategy):
                     yield ("strategy", "split_points"), str(exc), "error"
         if recipe.world_size is None or recipe.world_size % o.data_parallel:
             return  # the rules report a data_parallel that does not divide the world size
-        ws = recipe.world_size // o.data_parallel  # ranks per pipeline
+        ws = recipe.parallel_dims(recipe.world_size).pp  # ranks per pipeline
         stages = stage_count(o, ws)
         if len(blocks) < stages:
             yield ("strategy", "split_points"), f"{stages} stages need at least {stages} blocks; " \

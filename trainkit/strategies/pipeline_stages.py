@@ -181,6 +181,25 @@ class StageModule(nn.Module):
             m.load_state_dict({k[len(n) + 1:]: v for k, v in state.items() if k.startswith(n + ".")})
 
 
+def nested_stage(blocks: list[tuple[str, nn.Module]]) -> nn.Sequential:
+    """The model with only `blocks` left (qualified names of nested Sequentials, `flatten_blocks`'):
+    Sequentials nested as in the model, each block under its own name, so the forward is still the
+    composition of the blocks kept and every parameter keeps its original name (torchtitan's split
+    deletes the layers a stage does not own from a copy of the model; here the kept blocks are moved
+    into fresh containers, which leaves the model's own forward, e.g. a token check, out of it).
+    What tensor parallel plans and DCP checkpoints address by name then needs no renaming."""
+    root = nn.Sequential()
+    for name, block in blocks:
+        *path, leaf = name.split(".")
+        parent = root
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Sequential())
+            parent = parent._modules[part]
+        parent.add_module(leaf, block)
+    return root
+
+
 class TracedStage(nn.Module):
     """A stage cut by the tracer (a GraphModule whose submodules keep the original qualified
     names): the same checkpoint interface as `StageModule`.

@@ -1,5 +1,11 @@
 """The pipeline's options: what `validate`, `plan` and `tune` know about it (the component:
-trainkit.strategies.pipeline)."""
+trainkit.strategies.pipeline).
+
+Three layouts: one pipeline over the world (1-D), `data_parallel` replicas of it (pp x dp_replicate,
+gradients averaged by the strategy), and sharded stages (a `parallel:` block with pp > 1 and dp_shard
+and/or tp above 1, torchtitan's 3-D: each stage tensor-parallel on "tp" and `fully_shard`ed over
+"dp_shard"). `sharded_stages` tells them apart; the rules say what the third cannot do.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ class PipelineOptions(StrategyOptions):
                             background_save_refusal="the pipeline writes one file per stage of its own, with no "
                                                     "background write",
                             precisions=frozenset({"fp32", "bf16"}),
-                            mesh_dims=frozenset({"pp", "dp_replicate"}),
+                            mesh_dims=frozenset({"pp", "dp_replicate", "dp_shard", "tp"}),
                             unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "channels_last": (
                                 "torch.distributed.pipelining sends activations between stages with P2P send/recv, "
                                 "which need contiguous tensors, and a channels_last activation is not; set it to "
@@ -50,16 +56,29 @@ class PipelineOptions(StrategyOptions):
         return MemoryLayout(parameters=stages, gradients=stages, optimizer=stages, parameters_split=stages,
                             builds_whole_model=stages > 1)
 
+    def memory_layout_on(self, dims: ParallelDims) -> MemoryLayout:
+        # sharded stages: a stage's parameters, gradients and optimizer state divided over dp_shard (FSDP);
+        # tensor parallel's slice is divided by the memory plan
+        split, shards = dims.pp, dims.dp_shard
+        return MemoryLayout(parameters=split * shards, gradients=split * shards, optimizer=split * shards,
+                            parameters_split=split, gathers_units=shards > 1, builds_whole_model=split > 1)
+
     def plan_lines(self, recipe: Any) -> list[str]:
         ws = recipe.world_size
-        stages = ws // self.data_parallel if ws is not None else "?"
+        stages = recipe.parallel_dims(ws).pp if ws is not None else "?"
         replicas = f", {self.data_parallel} pipeline replicas" if self.data_parallel > 1 else ""
-        return [f"pipeline:        {stages} stages{replicas}, {self.microbatches} microbatches, "
-                f"schedule {self.schedule}"]
+        lines = [f"pipeline:        {stages} stages{replicas}, {self.microbatches} microbatches, "
+                 f"schedule {self.schedule}"]
+        if ws is not None and sharded_stages(recipe.parallel_dims(ws)):
+            dims = recipe.parallel_dims(ws)
+            lines.append(f"  each stage:    tensor parallel over tp {dims.tp}, fully_shard over dp_shard "
+                         f"{dims.dp_shard}; checkpoints: DCP, original parameter names")
+        return lines
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         s, r = self, recipe
         yield from self._agrees_with_the_mesh(r)
+        yield from self._sharded_stages_rules(r)
         if r.data.batch_size % s.microbatches:
             yield ("strategy", "microbatches"), (
                 f"data.batch_size {r.data.batch_size} is not divisible by strategy.microbatches {s.microbatches}; "
@@ -76,7 +95,7 @@ class PipelineOptions(StrategyOptions):
                 f"data_parallel {s.data_parallel} does not divide the world size {ws}: each of the "
                 f"{s.data_parallel} pipeline replicas needs the same number of ranks")
             return
-        ranks = None if ws is None else ws // s.data_parallel  # ranks per pipeline
+        ranks = None if ws is None else r.parallel_dims(ws).pp  # ranks per pipeline
         per = f" (world size {ws} / data_parallel {s.data_parallel})" if s.data_parallel > 1 else " (the world size)"
         facts = facts_for(r.model.name)
         if facts.needs_split_points and not s.split_points:
@@ -108,6 +127,44 @@ class PipelineOptions(StrategyOptions):
                 f"strategy.data_parallel {self.data_parallel} and parallel.dp_replicate {replicas} disagree: both "
                 f"count the pipeline replicas; set strategy.data_parallel: {replicas}, or leave the parallel "
                 f"block out")
+
+
+    def _sharded_stages_rules(self, r: Any) -> Iterator[Finding]:
+        """What the sharded-stages layout (pp x dp_shard x tp) cannot do, found by running it (torch 2.14)."""
+        ws = r.world_size
+        if r.parallel is None or ws is None:
+            return
+        dims = r.parallel_dims(ws)
+        if not sharded_stages(dims):
+            return
+        mesh = " x ".join(f"{d} {n}" for d, n in dims.degrees().items() if n > 1)
+        if dims.pp == 1:
+            yield ("parallel", "pp"), (
+                f"strategy pipeline with {mesh} and parallel.pp 1 is one stage: nothing is pipelined; use strategy "
+                f"fsdp for dp_shard and tp alone, or set parallel.pp to the number of stages")
+        if facts_for(r.model.name).needs_split_points:
+            yield ("parallel",), (
+                f"the traced pipeline ({r.model.name}, not an nn.Sequential) with {mesh} is refused: sharded stages "
+                f"need stage modules that keep the model's own submodules (an nn.Sequential such as the built-in "
+                f"transformer); set parallel.dp_shard: 1 and parallel.tp: 1, or use strategy fsdp")
+        if dims.dp_replicate > 1:
+            yield ("parallel", "dp_replicate"), (
+                f"strategy pipeline with {mesh}: replicas of sharded stages (HSDP inside the pipeline) are not "
+                f"verified; set parallel.dp_replicate: 1 (and strategy.data_parallel: 1), or drop dp_shard and tp "
+                f"for pipeline replicas")
+        for rule in SHARDED_STAGE_REFUSALS:
+            found = rule(self, r, mesh)
+            if found:
+                yield found
+
+
+def sharded_stages(dims: ParallelDims) -> bool:
+    """The pipeline's third layout: stages tensor-parallel and/or sharded with FSDP (torchtitan's 3-D)."""
+    return dims.dp_shard > 1 or dims.tp > 1
+
+
+# what the sharded stages were run with and refused, each with why (recipe -> finding or None)
+SHARDED_STAGE_REFUSALS: list = []
 
 
 def _split_points_fix(ranks: Optional[int], example: str) -> str:
