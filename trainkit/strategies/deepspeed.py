@@ -299,6 +299,10 @@ class DeepSpeedStrategy(Strategy):
             return torch.load(folder / tag / "mp_rank_00_model_states.pt", map_location="cpu",
                               weights_only=False)["module"]
         _import_deepspeed()
+        if info["zero_stage"] == 3:  # one copy of the model, without every rank's partition mapped besides it
+            from .deepspeed_export import zero3_state_dict
+
+            return zero3_state_dict(folder / tag)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
