@@ -25,6 +25,8 @@ from ..runtime.files import fsync_save
 from ..runtime.materialize import check_seedable, owners, seeded_values
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy, replicated_buffers
+from .deepspeed_checkpoint import load_mapped, settle
+from .deepspeed_import import import_deepspeed
 from .deepspeed_ops import CPU_ADAM_OP, announce_build, announce_cpu_adam_build, pending_build
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
@@ -100,14 +102,6 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _import_deepspeed():
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    return deepspeed
-
-
 class DeepSpeedStrategy(Strategy):
     options: DeepSpeedOptions
 
@@ -122,7 +116,7 @@ class DeepSpeedStrategy(Strategy):
         # the original.
         import torch._dynamo  # noqa: F401
 
-        deepspeed = _import_deepspeed()
+        deepspeed = import_deepspeed()
         announce_build()  # zero.Init starts DeepSpeed's comm: its CPU op may be compiled first
         return deepspeed.zero.Init(config_dict_or_path=ds_config_for(self.recipe))
 
@@ -131,7 +125,7 @@ class DeepSpeedStrategy(Strategy):
         (every rank computes the same; rank 0's are kept) and let DeepSpeed re-partition them."""
         if self.options.zero_stage != 3:
             return super().materialize(model, seed)
-        deepspeed = _import_deepspeed()
+        deepspeed = import_deepspeed()
         check_seedable(model)
         for name, module in owners(model):
             values = seeded_values(module, name, seed, full_shape=lambda p: p.ds_shape)
@@ -142,7 +136,7 @@ class DeepSpeedStrategy(Strategy):
         return model
 
     def setup(self, model: nn.Module, optimizer_factory):
-        deepspeed = _import_deepspeed()
+        deepspeed = import_deepspeed()
         self.config = ds_config_for(self.recipe)
         apply_activation_checkpointing(model, self.performance.checkpointing)  # hooks: ZeRO-3 gathers on recompute
         optimizer = self._optimizer(model, optimizer_factory)
@@ -153,6 +147,7 @@ class DeepSpeedStrategy(Strategy):
         if compile_options is not None:  # DeepSpeed's documented way: the engine compiles its module
             engine.compile(compile_kwargs=compile_kwargs(compile_options))
         self.engine = engine
+        load_mapped(engine)  # a resume without a second copy of the optimizer state
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.recipe.precision)
         match_batchnorm_buffers(engine.module, self.input_dtype)
         # The scheduler steps the torch optimizer's param_groups, which the ZeRO optimizer shares.
@@ -235,13 +230,14 @@ class DeepSpeedStrategy(Strategy):
                                         load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"{folder / TAG}: DeepSpeed found no checkpoint to load")
+        settle(model, optimizer)
 
     # ---- class-level hooks
     @classmethod
     def preflight(cls, recipe) -> Iterator[tuple[tuple, str, str]]:
         """The config through DeepSpeed's own parser, and the pieces this machine cannot run."""
         try:
-            deepspeed = _import_deepspeed()
+            deepspeed = import_deepspeed()
             from deepspeed.runtime.config import DeepSpeedConfig
         except Exception as exc:
             yield ("strategy", "name"), f"deepspeed cannot be imported here ({type(exc).__name__}: {exc}); " \
@@ -298,7 +294,7 @@ class DeepSpeedStrategy(Strategy):
         if info["zero_stage"] == 0:
             return torch.load(folder / tag / "mp_rank_00_model_states.pt", map_location="cpu",
                               weights_only=False)["module"]
-        _import_deepspeed()
+        import_deepspeed()
         if info["zero_stage"] == 3:  # one copy of the model, without every rank's partition mapped besides it
             from .deepspeed_export import zero3_state_dict
 
@@ -311,7 +307,7 @@ class DeepSpeedStrategy(Strategy):
 def cpu_adam(options, params) -> torch.optim.Optimizer:
     """The recipe's adam/adamw as DeepSpeed's CPU Adam: lr, betas, eps and weight_decay one to one;
     adam's weight decay is an L2 term on the gradient (adamw_mode false), adamw's is decoupled."""
-    _import_deepspeed()
+    import_deepspeed()
     announce_cpu_adam_build()
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 

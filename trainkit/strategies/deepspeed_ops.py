@@ -29,7 +29,9 @@ def pending_build(builder_name: str = COMM_OP) -> Optional[Path]:
     """The folder a DeepSpeed op will be compiled into when its next use must build it first (op
     compatible, not prebuilt, not in torch's extension cache); else None. The conditions are
     DeepSpeed's own (`deepspeed.comm.torch.build_shm_op`, `OpBuilder.load`)."""
-    import deepspeed
+    from .deepspeed_import import import_deepspeed
+
+    deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
     from torch.utils.cpp_extension import _get_build_directory
