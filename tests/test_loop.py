@@ -119,6 +119,9 @@ class FakeCheckpointer:
         self.saved.append(step)
         return Path(f"checkpoints/step-{step:08d}")
 
+    def take_sealed(self):
+        return [(self.saved[-1], Path(f"checkpoints/step-{self.saved[-1]:08d}"))] if self.saved else []
+
 
 class ListSink:
     def __init__(self):

@@ -162,7 +162,8 @@ class Checkpointer:
         trainer = recipe_data.get("trainer", {})
         self.in_background = bool(trainer.get("checkpoint", {}).get("async_save", False))
         self.final_step = trainer.get("max_steps")  # its save is waited for: the run ends with it sealed
-        self.pending: Optional[tuple[checkpoint_async.BackgroundWrite, Path, Path]] = None
+        self.pending: Optional[tuple[checkpoint_async.BackgroundWrite, Path, Path, int]] = None
+        self._sealed: list[tuple[int, Path]] = []  # (step, folder) sealed since `take_sealed` was last asked
 
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
         self.wait()  # at most one save in flight: the previous one is written and sealed first
@@ -189,17 +190,25 @@ class Checkpointer:
             if self.in_background:  # every other file is written: the seal waits only for DCP's write
                 seal = (lambda: self._seal(tmp, final, step)) if s.rank == 0 else None
                 free_if_full = lambda exc: _empty(tmp) if _is_disk_full(exc) else None  # noqa: E731
-                self.pending = (checkpoint_async.start(tmp, model, optimizer, seal, free_if_full), tmp, final)
+                self.pending = (checkpoint_async.start(tmp, model, optimizer, seal, free_if_full), tmp, final, step)
             else:
                 s.barrier()
                 if s.rank == 0:
                     self._seal(tmp, final, step)
                 s.barrier()
+                self._sealed.append((step, final))
         except BaseException as exc:
             self._failed(exc, tmp, final)
         if step == self.final_step:
             self.wait()  # the run's last checkpoint is complete when the run ends
         return final
+
+    def take_sealed(self) -> list[tuple[int, Path]]:
+        """The checkpoints sealed (complete, renamed to their final folder) since the last call, oldest
+        first: a background save is sealed only when a later `save` or the run's last one waits for it, so
+        what `save` returns may not exist yet (monitors' `on_checkpoint` is called with these)."""
+        sealed, self._sealed = self._sealed, []
+        return sealed
 
     def finish_on_stop(self, timeout_s: float) -> None:
         """A stop (SIGTERM/SIGINT: a preemption) with a save in flight: its write gets up to `timeout_s` to
@@ -219,15 +228,17 @@ class Checkpointer:
         a full disk as DiskFullError like a synchronous save's."""
         if self.pending is None:
             return
-        write, tmp, final = self.pending
+        write, tmp, final, step = self.pending
         self.pending = None
         try:
             write.wait()
         except KeyboardInterrupt:  # a stop arrived while waiting: the write goes on, finish_on_stop decides
-            self.pending = (write, tmp, final)
+            self.pending = (write, tmp, final, step)
             raise
         except BaseException as exc:
             self._failed(exc, tmp, final)
+        self.strategy.barrier()  # rank 0 seals in its writer thread: the folder is renamed on every rank's return
+        self._sealed.append((step, final))
 
     def _failed(self, exc: BaseException, tmp: Path, final: Path) -> None:
         full = _is_disk_full(exc) or (_vanished(exc, tmp) and disk_too_full(self.dir))

@@ -327,8 +327,9 @@ class Loop:
                 memory_watch.phase(f"checkpoint at step {step}")
                 progress_record.phase(step, "checkpoint")
                 last_ckpt = self.checkpointer.save(step, self.model, self.optimizer, self.trainer_state())
-                self.last_checkpoint = last_ckpt
-                self.monitors.call("on_checkpoint", step, last_ckpt)
+                for sealed_step, sealed in self.checkpointer.take_sealed():  # a background save: once written
+                    self.last_checkpoint = sealed
+                    self.monitors.call("on_checkpoint", sealed_step, sealed)
                 saved = time.perf_counter() - c0
                 wall.checkpoint_s += saved
                 wall.checkpoints += 1

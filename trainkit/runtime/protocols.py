@@ -79,6 +79,8 @@ class Task(Protocol):
 @runtime_checkable
 class Checkpointer(Protocol):
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path: ...
+    def take_sealed(self) -> list[tuple[int, Path]]:
+        """(step, folder) of the checkpoints complete since the last call (a background save's come later)."""
 
 
 @runtime_checkable
