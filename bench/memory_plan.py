@@ -2,6 +2,7 @@
 (`trainkit plan`'s figure) and the peak RSS each rank actually reached (VmHWM).
 
     python bench/memory_plan.py [--steps 3] [--depth 7] [--only ddp,fsdp] [--out results.json]
+    python bench/memory_plan.py --only fsdp,ddp --steps 4 --checkpoint-every 2 [--async-save]
 
 Each configuration is a real `trainkit run` (2 ranks, CPU, fp32, AdamW, a checkpoint at the last
 step) of bench/strategies_memory.py's model (an MLP 1024 -> 4096 x depth -> 10, ~105M parameters at
@@ -34,7 +35,7 @@ CONFIGS = {
 BATCH_PER_RANK = 8
 
 
-def write_recipe(folder: Path, label: str, strategy: dict, depth: int, steps: int) -> Path:
+def write_recipe(folder: Path, label: str, strategy: dict, depth: int, steps: int, checkpoint: dict) -> Path:
     pipeline = strategy["name"] == "pipeline"
     recipe = {
         "name": f"plan-{label}", "seed": 0,
@@ -42,7 +43,8 @@ def write_recipe(folder: Path, label: str, strategy: dict, depth: int, steps: in
         "data": {"name": "synthetic", "batch_size": BATCH_PER_RANK * (2 if pipeline else 1), "num_samples": 64,
                  "shape": [1024], "num_classes": 10},
         "strategy": strategy, "precision": "fp32", "optimizer": {"name": "adamw", "lr": 1.0e-4},
-        "trainer": {"max_steps": steps, "log_every": steps}, "launch": {"nproc_per_node": 2, "run_dir": str(folder)},
+        "trainer": {"max_steps": steps, "log_every": steps, "checkpoint": checkpoint},
+        "launch": {"nproc_per_node": 2, "run_dir": str(folder)},
         "tracking": {"enabled": False},
     }
     path = folder / f"{label}.yaml"
@@ -77,13 +79,17 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--only", default="", help="comma-separated labels (default: all)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="a checkpoint every N steps as well as at the last (its write then overlaps the next steps)")
+    ap.add_argument("--async-save", action="store_true", help="trainer.checkpoint.async_save: true")
     args = ap.parse_args()
     labels = [x for x in args.only.split(",") if x] or list(CONFIGS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for label in labels:
-            path = write_recipe(folder, label, CONFIGS[label], args.depth, args.steps)
+            checkpoint = {"every": args.checkpoint_every or None, "async_save": args.async_save}
+            path = write_recipe(folder, label, CONFIGS[label], args.depth, args.steps, checkpoint)
             plan = predicted(path)
             peaks, wall = measured(path, folder, label)
             worst = max(peaks)

@@ -64,6 +64,7 @@ class Setting:
     grad_accum_steps: int
     activation_checkpointing: bool
     device_type: str
+    async_save: bool = False  # trainer.checkpoint.async_save: a staged host copy of the state while a save writes
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def setting_of(recipe: Any, device_type: str) -> Setting:
                    optimizer_tensors=optimizer_tensors(recipe.optimizer), micro_batch=recipe.data.batch_size,
                    grad_accum_steps=recipe.trainer.grad_accum_steps,
                    activation_checkpointing=recipe.performance.checkpointing.mode != "none",
-                   device_type=device_type)
+                   device_type=device_type, async_save=recipe.trainer.checkpoint.async_save)
 
 
 def layout_of(recipe: Any, world_size: int) -> MemoryLayout:
@@ -183,11 +184,27 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     activations = _activations(sizes, s)
     if activations is not None:
         parts.append(activations)
+    if s.async_save:
+        parts.append(_staged_checkpoint(parts))
     parts.append(Part("runtime", RUNTIME_BYTES.get(s.device_type, RUNTIME_BYTES["cpu"]) + L.runtime_bytes,
                       "host" if s.device_type == "cpu" else "device",
                       "the process before the model (measured)" if s.device_type == "cpu" else
                       "CUDA context and kernels (a typical figure)"))
     return MemoryPlan(s, tuple(parts))
+
+
+STAGED = ("parameters", "fp32 master weights", "optimizer state", "buffers")  # what a checkpoint holds
+
+
+def _staged_checkpoint(parts: list[Part]) -> Part:
+    """`async_save`: DCP's default stager copies every tensor of the rank's state dict (its parameters,
+    optimizer state and buffers, as the rank holds them: its shards under FSDP, all of it under DDP) into
+    new host memory, neither pinned nor kept between saves, and holds the copy until the background
+    write is done: through the steps that follow the save, so it adds to their peak."""
+    staged = [p for p in parts if p.name in STAGED]
+    return Part("checkpoint staging", sum(p.bytes for p in staged), "host",
+                f"async_save: a host copy of this rank's {' + '.join(p.name for p in staged)} while a save "
+                "writes")
 
 
 def _activations(sizes: ModelSizes, s: Setting) -> Optional[Part]:
