@@ -42,7 +42,10 @@ def consolidated_state_dict(folder: Path) -> tuple[str, dict]:
         raise ExportError(f"{folder}: not a complete checkpoint: {why}")
     for cls in _strategy_classes():
         if cls.owns_checkpoint(folder):
-            return cls.__name__, cls.consolidated_state_dict(folder)
+            try:
+                return cls.__name__, cls.consolidated_state_dict(folder)
+            except ValueError as exc:  # the strategy's reader found files that do not fit together
+                raise ExportError(f"{folder}: cannot be read as a {cls.__name__} checkpoint: {exc}") from exc
     raise ExportError(f"{folder}: no strategy recognises its files ({', '.join(sorted(p.name for p in folder.iterdir()))})")
 
 

@@ -52,7 +52,10 @@ class _RankFile:
         for g in groups:
             if g.dtype != torch.float32:
                 raise ValueError(f"{path}: fp32 partition of dtype {g.dtype}")
-            byte = g.untyped_storage()._checkpoint_offset + g.storage_offset() * g.element_size()
+            where = getattr(g.untyped_storage(), "_checkpoint_offset", None)
+            if where is None:  # torch records it for its zip format, which DeepSpeed writes
+                raise ValueError(f"{path}: not in torch's zip format; its partition cannot be located")
+            byte = where + g.storage_offset() * g.element_size()
             self.groups.append((start, g.numel(), byte))
             start += g.numel()
         self.numel = start
