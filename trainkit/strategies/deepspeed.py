@@ -27,6 +27,7 @@ from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy, replicated_buffers
 from .deepspeed_checkpoint import load_mapped, settle
 from .deepspeed_import import import_deepspeed
+from .deepspeed_master import share_fp32_partitions
 from .deepspeed_ops import CPU_ADAM_OP, announce_build, announce_cpu_adam_build, pending_build
 
 TAG = "zero"  # the sub-folder DeepSpeed writes inside a trainkit checkpoint folder
@@ -147,6 +148,7 @@ class DeepSpeedStrategy(Strategy):
         if compile_options is not None:  # DeepSpeed's documented way: the engine compiles its module
             engine.compile(compile_kwargs=compile_kwargs(compile_options))
         self.engine = engine
+        share_fp32_partitions(engine.optimizer)  # fp32 ZeRO-3: no second copy of the parameter partition
         load_mapped(engine)  # a resume without a second copy of the optimizer state
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.recipe.precision)
         match_batchnorm_buffers(engine.module, self.input_dtype)
