@@ -101,18 +101,20 @@ def _write_corpus(folder: Path) -> None:
         os.chdir(cwd)
 
 
-def _launch_all(folder: Path, by_ranks: dict[int, list[Path]], timeout: float, device_env: dict) -> None:
+def _launch_all(folder: Path, by_ranks: dict[int, list[Path]], timeout: float, device_env: dict,
+                **spec: bool) -> None:
+    """One launch per rank count, side by side; `spec`: the cell runner's options (resume, keep_checkpoints)."""
     env = env_for(folder, **device_env)
     procs = []
     for ranks, run_dirs in by_ranks.items():
         if not run_dirs:
             continue
-        spec = folder / f"cells-{ranks}.json"
-        spec.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs]}))
+        path = folder / f"cells-{ranks}.json"
+        path.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs], **spec}))
         head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                 "--master_port", str(_free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
         log = open(folder / f"cells-{ranks}.log", "w")
-        procs.append((subprocess.Popen([*head, RUNNER, str(spec)], cwd=folder, env=env, stdout=log,
+        procs.append((subprocess.Popen([*head, RUNNER, str(path)], cwd=folder, env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True), log))
     for proc, log in procs:
         try:

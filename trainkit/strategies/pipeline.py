@@ -46,6 +46,7 @@ from ..runtime.files import fsync_save
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, compile_module
 from .base import Strategy, hash_tensor
+from .fsdp import FSDPStrategy
 from .pipeline_sharded import clip_grad_norm_across_stages, load_sharded, save_sharded, shard_stage
 from .pipeline_stages import (
     SplitError,
@@ -266,7 +267,10 @@ class PipelineStrategy(Strategy):
         return contextlib.nullcontext() if self.sharded else precision.autocast()
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Every rank holds its pipeline's batch loss; with data_parallel > 1, the mean over pipelines."""
+        """Every rank holds its pipeline's batch loss; with data_parallel > 1, the mean over pipelines (sharded
+        stages: over every rank, as the base strategy; a pipeline's pp x tp ranks hold the same loss)."""
+        if self.sharded:
+            return super().reduce_loss(loss)
         loss = loss.detach().clone().float()
         if self.dp_group is not None:
             dist.all_reduce(loss, group=self.dp_group)
@@ -316,10 +320,17 @@ class PipelineStrategy(Strategy):
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """The ranks of one pipeline read the same batches and hold the same evaluation logits: the
         job's sum is the sum over the pipelines (data-parallel peers), not over all ranks."""
+        if self.sharded:
+            return super().all_reduce_sum(value)  # over the mesh's data-parallel group
         value = value.detach().clone()
         if self.dp_group is not None:
             dist.all_reduce(value, group=self.dp_group)
         return value
+
+    def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
+        """What this rank holds: its stages' parameters; of sharded stages, its own pieces (`to_local()`)."""
+        for p in model.parameters():
+            yield p.to_local().detach() if self.sharded else p.detach()
 
     def replica_digests(self, model: nn.Module) -> list[str]:
         """Each rank's digest of the stages it owns (stage index, names and bytes). Every stage has
@@ -444,11 +455,15 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def owns_checkpoint(cls, folder: Path) -> bool:
-        return any(folder.glob("pipeline-stage-*.pt"))
+        """Stage files, or DCP's sharded state dicts (sharded stages write those, as FSDP does)."""
+        return any(folder.glob("pipeline-stage-*.pt")) or FSDPStrategy.owns_checkpoint(folder)
 
     @classmethod
     def consolidated_state_dict(cls, folder: Path) -> dict:
-        """The stages' blocks merged back into the unpipelined model's state_dict."""
+        """The stages' blocks merged back into the unpipelined model's state_dict (DCP's folder: the FSDP
+        strategy's reader, the names are already the model's)."""
+        if FSDPStrategy.owns_checkpoint(folder):
+            return FSDPStrategy.consolidated_state_dict(folder)
         files = sorted(folder.glob("pipeline-stage-*.pt"))
         saved = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
         expected = saved[0]["num_stages"] if saved else 0

@@ -88,8 +88,8 @@ def load_sharded(folder: Path, part: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(part, optimizer)
-    (mine,) = optim_sd["param_groups"]
+    mine = list(optim_sd["param_groups"][0]["params"])  # a copy: dcp.load overwrites the group in place
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
-    state["optim"]["param_groups"] = [{**state["optim"]["param_groups"][0], "params": mine["params"]}]
+    state["optim"]["param_groups"] = [{**state["optim"]["param_groups"][0], "params": mine}]
     set_state_dict(part, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
 
-from .meshes import MESH_ROWS, data_parallel, mesh_block
+from .meshes import MESH_ROWS, data_parallel, mesh_block, mesh_world
 from .pairwise import Covering, covering_rows
 from .results import load_results, refused_on
 from .status import refusals
@@ -114,6 +114,11 @@ class Cell:
         mesh = () if self.mesh == "none" else (self.mesh,)
         return "__".join((self.strategy, self.model, self.precision, self.option, self.init, *mesh))
 
+    @property
+    def world(self) -> int:
+        """The ranks this cell runs on: the grid's WORLD, or more for a multi-dimensional mesh."""
+        return mesh_world(self.mesh, WORLD)
+
     def recipe(self) -> dict[str, Any]:
         """The whole recipe this cell is: the base, then each axis's fragment merged in."""
         out = merge(BASE, {"name": self.id.replace("+", "-")})
@@ -137,8 +142,8 @@ class Cell:
         recipe = self.recipe()
         block, batch = recipe["strategy"], recipe["data"]["batch_size"]
         microbatches = block.get("microbatches", 1)
-        replicas = block.get("data_parallel", 1) if "microbatches" in block else \
-            data_parallel(recipe, WORLD) if "parallel" in recipe else WORLD
+        replicas = data_parallel(recipe, WORLD) if "parallel" in recipe else \
+            block.get("data_parallel", 1) if "microbatches" in block else WORLD
         ranks = replicas if MODELS[self.model].get("statistics_per_rank") else 1
         accum = recipe["trainer"].get("grad_accum_steps", 1) * microbatches
         reference = merge(recipe, {"strategy": {"name": "ddp"}, "launch": {"nproc_per_node": ranks},

@@ -5,11 +5,14 @@ to its reference like every other cell) or refused by `trainkit validate`: tenso
 models that declare a plan and on those that do not (their model facts refuse it), on the strategies
 that lay ranks out on `tp` and on those that do not (`Capabilities.mesh_dims`), HSDP's replicate
 dimension, and the pipeline's stages written as a mesh. With the grid's 2 ranks a mesh has one
-dimension of 2: 2-D and HSDP 2 x 2 need 4 ranks and are tests/test_parallel_mesh_runs.py's.
+dimension of 2: 2-D and HSDP 2 x 2 need 4 ranks and are tests/test_parallel_mesh_runs.py's. The
+3-D mesh (pipeline x FSDP x TP, 2 x 2 x 2) is a cell of its own world size, 8 ranks
+(`MESH_DEGREES`), trained by tests/test_pipeline_3d_runs.py instead of the grid's 2-rank launch.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..blocks.parallel import ParallelOptions
@@ -23,8 +26,22 @@ MESH_DIMENSION: dict[str, str] = {
 }
 
 
+# meshes of several dimensions -> their degrees; the cell runs on their product of ranks
+MESH_DEGREES: dict[str, dict[str, int]] = {
+    "pp-dp_shard-tp": {"pp": 2, "dp_shard": 2, "tp": 2},  # 3-D: sharded pipeline stages (issue 30)
+}
+
+
+def mesh_world(mesh: str, world: int) -> int:
+    """The ranks a cell of `mesh` runs on: the grid's `world`, or the product of a multi-dimensional mesh."""
+    return math.prod(MESH_DEGREES[mesh].values()) if mesh in MESH_DEGREES else world
+
+
 def mesh_block(mesh: str, world: int) -> dict[str, Any]:
-    """The recipe fragment of `mesh` over `world` ranks: every rank on its dimension, the others 1."""
+    """The recipe fragment of `mesh` over `world` ranks: every rank on its dimension, the others 1; a
+    multi-dimensional mesh with its own degrees and launch size."""
+    if mesh in MESH_DEGREES:
+        return {"parallel": dict(MESH_DEGREES[mesh]), "launch": {"nproc_per_node": mesh_world(mesh, world)}}
     return {} if mesh == "none" else {"parallel": {"dp_shard": 1, MESH_DIMENSION[mesh]: world}}
 
 
@@ -44,6 +61,8 @@ MESH_ROWS: list[tuple[str, str, str, str, str, str]] = [
     ("fsdp", "transformer", "fp16-dynamic", "none", "seeded", "tp"),
     ("fsdp+cpu_offload", "transformer", "fp32", "none", "seeded", "tp"),
     ("fsdp", "hf-llama", "bf16", "checkpointing-full", "constructor", "tp"),
+    # 3-D on 8 ranks: pp 2 x dp_shard 2 x tp 2, clipping across stages and meshes
+    ("pipeline", "transformer", "fp32", "grad_clip", "seeded", "pp-dp_shard-tp"),
     # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension,
     # compile (performance.compile under tp: the mesh rules)
     ("fsdp", "transformer", "fp32", "compile", "seeded", "tp"),
