@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import psutil
@@ -29,6 +30,14 @@ def _mlflow_run(tmp_path, name: str):
     run = client.search_runs([e.experiment_id for e in client.search_experiments()],
                              filter_string=f"tags.mlflow.runName = '{name}'")[0]
     return run, [a.path for a in client.list_artifacts(run.info.run_id, "reports")]
+
+
+def _flight_recorder(run_dir) -> tuple[str, dict]:
+    """hang.md's Flight Recorder section, and each rank's dump (fr_trace's input) by rank."""
+    section = (run_dir / "reports" / "hang.md").read_text().split("## Flight Recorder", 1)[1].split("\n## ", 1)[0]
+    dumps = {int(path.name.removeprefix("rank")): pickle.loads(path.read_bytes())
+             for path in (run_dir / "reports" / "flight-recorder").glob("rank*")}
+    return section, dumps
 
 
 def _left_running(tmp_path) -> list:
@@ -63,6 +72,11 @@ def test_a_stopped_rank_is_named_with_its_state_before_the_collective_timeout(tm
     assert "## Rank 0 " in report and 'File "' in report, report  # rank 0's stacks were collected
     assert "rank 1 (pid" in result.stderr and "hung at step 6, forward" in result.stderr, result.output
     assert "killed by SIGKILL" not in result.output, result.output
+    # Flight Recorder: rank 0's record fetched while it waits in the gradient all-reduce; rank 1 cannot answer
+    section, dumps = _flight_recorder(run_dir)
+    assert sorted(dumps) == [0] and "| 1 | no dump | its process is stopped" in section, section
+    assert dumps[0]["entries"][-1]["profiling_name"] == "gloo:all_reduce", dumps[0]["entries"][-1]
+    assert "missed FR dumps from ranks ({1})" in section, section  # fr_trace, allowing the missing rank
     assert not _left_running(tmp_path)
     assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"
     run, artifacts = _mlflow_run(tmp_path, "stopped")
@@ -89,6 +103,17 @@ def test_a_rank_sleeping_in_backward_is_named_and_the_same_hang_twice_stops_rest
     report = (run_dir / "reports" / "hang.md").read_text()
     assert report.startswith("# Hang: rank 1 is behind at step 6, backward"), report
     assert "fault_injection.py" in report and "its own code" in report, report
+    # Flight Recorder: both ranks' records, fetched while rank 0's main thread was blocked in backward
+    # (its stacks above) and rank 1's slept; torch's fr_trace names rank 1 missing from rank 0's last
+    # collective: the gradient all-reduce of step 6 (one DDP bucket of the MLP's 7556 parameters)
+    section, dumps = _flight_recorder(run_dir)
+    last = dumps[0]["entries"][-1]
+    assert sorted(dumps) == [0, 1] and last["profiling_name"] == "gloo:all_reduce", last
+    assert last["input_sizes"] == [[7556]] and last["collective_seq_id"] > dumps[1]["entries"][-1]["collective_seq_id"]
+    assert (f"- ranks {{1}} did not join gloo:all_reduce #{last['collective_seq_id']} of group 0:default_pg "
+            f"(input sizes [[7556]])") in section, section
+    assert f"Not all ranks joining collective, sequence number: {last['collective_seq_id']}" in section, section
+    assert "has errors" not in section, section  # every collective before it matched on both ranks
     assert "restart 1: rank 1 hung at step 6, backward" in result.stderr, result.output
     assert "the same hang as the previous attempt" in result.stderr and "not restarting" in result.stderr, \
         result.output
@@ -124,6 +149,8 @@ def test_a_rank_whose_loader_worker_is_stuck_is_named_as_waiting_for_its_data(tm
     assert "### Rank 1's DataLoader worker (pid" in report, report
     worker_section = report.split("### Rank 1's DataLoader worker", 1)[1]
     assert "fault_injection.py" in worker_section and "_worker_loop" in worker_section, worker_section
+    section, _ = _flight_recorder(run_dir)  # rank 0 went on to the gradient all-reduce of step 6 without it
+    assert "- ranks {1} did not join gloo:all_reduce #" in section and "(input sizes [[7556]])" in section, section
     assert "rank 1 (pid" in result.stderr and "hung at step 6, data" in result.stderr, result.output
     assert not _left_running(tmp_path)
     assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"

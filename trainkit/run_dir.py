@@ -59,6 +59,7 @@ RANK_STACKS = "stacks-rank{rank}.txt"  # each rank's Python stacks, dumped on SI
 LOADER_STACKS = "stacks-rank{rank}-loader-{pid}.txt"  # a rank's DataLoader worker's stacks, on SIGUSR1 too
 HANG = "hang.md"  # RUN_DIR/reports/: which rank was behind, where each rank was, their stacks
 NCCL_TRACE = "nccl-trace-rank"  # RUN_DIR/reports/ prefix of NCCL's Flight Recorder dumps (rank appended)
+FLIGHT_RECORDER = "flight-recorder"  # RUN_DIR/reports/ folder of every rank's Flight Recorder dump at a hang
 
 WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up: no
 #                   step statistics (metrics.jsonl's step_time_s, the report's medians) before step 3
@@ -90,8 +91,9 @@ LAYOUT = (
     (f"{LIVE}/progress-rank<R>.json, {LIVE}/stacks-rank<R>.txt, {LIVE}/stacks-rank<R>-loader-<pid>.txt",
      "each rank's step and phase (the hang watch reads it) and its stacks, and its DataLoader workers', when a "
      "hang was declared"),
-    (f"{REPORTS}/{HANG}, {REPORTS}/{NCCL_TRACE}<R>", "the hang report (docs/running.md, 'When a run hangs'); NCCL's "
-                                                   "Flight Recorder dumps on a collective timeout"),
+    (f"{REPORTS}/{HANG}, {REPORTS}/{FLIGHT_RECORDER}/rank<R>, {REPORTS}/{NCCL_TRACE}<R>",
+     "the hang report (docs/running.md, 'When a run hangs'); each rank's Flight Recorder dump at the hang and "
+     "torch's analysis of them; NCCL's own Flight Recorder dumps"),
     (f"{TRACKING}/", "the MLflow spool: what is still to be delivered"),
     (f"{PROFILER}/", "profiler monitor traces"),
     (f"{TENSORBOARD}/", "tensorboard monitor events"),

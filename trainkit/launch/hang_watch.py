@@ -11,6 +11,11 @@ this thread reads those records, and on a hang asks each rank for its stacks wit
 (phase data) is shown with its DataLoader workers' stacks (they answer SIGUSR1 too, into their own
 files: `progress_record.loader_worker_started`). The same hang twice (the rank
 behind at the same step and phase) leaves the fatal marker: restarts stop, as for a NaN.
+
+Collectives: each rank records every process group's collectives in torch's Flight Recorder and
+serves it on a socket in a directory private to this watch; on a hang each live rank's record is
+fetched (a C++ thread answers while the rank is blocked in a collective) and torch's analysis of
+them goes into the report (`flight_recorder_dumps`), on every backend.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Optional
 from ..run_dir import (HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, loader_stacks_path, rank_stacks_path, report_path,
                        write_fatal)
 from ..runtime.progress_record import END, FAILED, PHASES, STACKS_SIGNAL, read
+from . import flight_recorder_dumps
 
 POLL_S = 0.5
 STACKS_WAIT_S = 3.0  # how long the ranks get to dump their stacks
@@ -124,6 +130,7 @@ class HangWatch:
     run_dir: Path
     timeout_s: Optional[float]  # launch.hang_timeout_s (None: `default_timeout`)
     collective_timeout_s: float
+    backend: str = "gloo"  # the workers' (a label in the Flight Recorder analysis)
     hang: Optional[Hang] = None
     previous: Optional[tuple] = None
     started: float = field(default_factory=time.time)
@@ -131,13 +138,22 @@ class HangWatch:
     stop_event: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> "HangWatch":
+        self.sockets = flight_recorder_dumps.sockets_directory()  # the workers' Flight Recorder sockets
+        self.saved_env = {k: os.environ.get(k) for k in flight_recorder_dumps.workers_env(self.sockets)}
+        os.environ.update(flight_recorder_dumps.workers_env(self.sockets))
         self.thread = threading.Thread(target=self._watch, name="trainkit-hang-watch", daemon=True)
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop_event.set()
-        self.thread.join(timeout=STACKS_WAIT_S + 5)
+        self.thread.join(timeout=STACKS_WAIT_S + flight_recorder_dumps.ANALYSIS_TIMEOUT_S + 5)
+        for key, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        flight_recorder_dumps.remove(self.sockets)
 
     def hang_of(self, pids: set) -> Optional[Hang]:
         """The declared hang that ended these workers (torchrun's failed pids), if one did."""
@@ -209,7 +225,10 @@ class HangWatch:
         hang = Hang(ranks, behind, why, silent_s, timeout_s)
         hang.repeated = hang.key() == self.previous
         self.previous = hang.key()
-        hang.report = _write_report(self.run_dir, hang)
+        dumps = flight_recorder_dumps.collect(self.run_dir, self.sockets, {
+            r.number: f"its process is stopped (State {r.state})" if r.stopped else "" for r in ranks}, self.backend)
+        flight_recorder = flight_recorder_dumps.report_lines(dumps, flight_recorder_dumps.analyse(dumps), self.run_dir)
+        hang.report = _write_report(self.run_dir, hang, flight_recorder)
         print(f"trainkit: {hang.summary()}; report: {hang.report}", file=sys.stderr, flush=True)
         if hang.repeated:  # stops torchrun's restarts (launch.failures.RestartAnnouncer reads the marker)
             write_fatal(self.run_dir, HangError(f"{hang.summary()}, the same hang as the previous attempt "
@@ -240,7 +259,7 @@ def _behind(ranks: list[Rank]) -> tuple[Rank, str]:
     return candidates[0], "every rank is at the same place: the stacks below tell which one is stuck"
 
 
-def _write_report(run_dir: Path, hang: Hang) -> Path:
+def _write_report(run_dir: Path, hang: Hang, flight_recorder: list[str]) -> Path:
     lines = [f"# Hang: rank {hang.behind.number} is behind at {hang.behind.where}", "",
              f"trainkit: {hang.summary()}.", "",
              "| rank | pid | step | phase | process | main thread's innermost frame |", "|---|---|---|---|---|---|"]
@@ -251,6 +270,7 @@ def _write_report(run_dir: Path, hang: Hang) -> Path:
                      f"{frame.replace('|', '/')} |")
     if hang.repeated:
         lines += ["", "The same hang as the previous attempt: not restarting."]
+    lines += flight_recorder
     for r in hang.ranks:
         lines += ["", f"## Rank {r.number} (pid {r.record['pid']}): {r.where}", ""]
         if r.stopped:
@@ -268,15 +288,14 @@ def _write_report(run_dir: Path, hang: Hang) -> Path:
 
 
 def flight_recorder_env(run_dir: Path, environ, backend: str) -> dict:
-    """Under NCCL, torch's Flight Recorder for the workers (torchtitan's docs/debugging.md): a ring of
-    the last collectives, dumped into RUN_DIR/reports/nccl-trace-rank<R> when a collective times out
-    (analyse the dumps with `python -m torch.distributed.flight_recorder.fr_trace`). A value already in
-    the environment wins. Untested here: the test suite has no GPU."""
-    if backend != "nccl":
-        return {}
-    report_path(run_dir, "").mkdir(parents=True, exist_ok=True)
-    wanted = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-              "TORCH_FR_DUMP_TEMP_FILE": str(report_path(run_dir, NCCL_TRACE))}
+    """torch's Flight Recorder for the workers (torchtitan's docs/debugging.md): a ring of the last
+    2000 records, on every backend (the hang watch reads it). Under NCCL also its own dump when a
+    collective times out, into RUN_DIR/reports/nccl-trace-rank<R> (analyse the dumps with `python -m
+    torch.distributed.flight_recorder.fr_trace`). A value already in the environment wins."""
+    wanted = {"TORCH_FR_BUFFER_SIZE": "2000"}
+    if "nccl" in backend.split(",")[0]:
+        report_path(run_dir, "").mkdir(parents=True, exist_ok=True)
+        wanted.update({"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(report_path(run_dir, NCCL_TRACE))})
     return {k: v for k, v in wanted.items() if k not in environ}
 
 

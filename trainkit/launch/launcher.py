@@ -390,9 +390,9 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
         os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous.gloo_interface)
     kills_before = oom.kills_now()  # a rank the OOM killer ends is an out-of-memory failure, not a restart
     backend = accelerator_for(recipe, cuda_available=torch.cuda.is_available()).backend
-    os.environ.update(hang_watch.flight_recorder_env(run_dir, os.environ, backend))  # NCCL's own record of a hang
+    os.environ.update(hang_watch.flight_recorder_env(run_dir, os.environ, backend))  # torch's Flight Recorder (the hang report)
     os.environ.update(desync.debug_env(recipe.launch.debug_collectives, os.environ))  # torch's collective checks
-    watch = hang_watch.HangWatch(run_dir, recipe.launch.hang_timeout_s, recipe.launch.timeout_s)
+    watch = hang_watch.HangWatch(run_dir, recipe.launch.hang_timeout_s, recipe.launch.timeout_s, backend)
     announcer = failures.RestartAnnouncer(run_dir / LOGS, lambda: newest_valid(run_dir / CHECKPOINTS, warn=False),
                                           fatal_marker=lambda: oom.marker_or_kill(run_dir, kills_before,
                                                                                   announcer.failed),

@@ -12,6 +12,9 @@ running) still answers. A rank stopped by SIGSTOP cannot: the hang report says s
 workers (other processes) each dump into RUN_DIR/live/stacks-rank<R>-loader-<pid>.txt
 (`loader_worker_started`, from the loader's worker_init_fn), so a rank waiting for its data shows
 where its worker is stuck.
+
+Collectives: torch's Flight Recorder on every process group, served on a socket for the launcher
+(`trainkit.runtime.flight_recorder`), started with the record.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..run_dir import loader_stacks_path, rank_progress_path, rank_stacks_path
+from . import flight_recorder
 
 RECORD_BYTES = 256
 STACKS_SIGNAL = signal.SIGUSR1
@@ -64,9 +68,10 @@ _record: Optional[_Record] = None
 
 
 def start(run_dir: Path, rank: int) -> None:
-    """Begin this rank's record and answer SIGUSR1 with its stacks."""
+    """Begin this rank's record, answer SIGUSR1 with its stacks, and record its collectives."""
     global _record
     _record = _Record(run_dir, rank)
+    flight_recorder.start(rank)
 
 
 def loader_worker_started() -> None:

@@ -1,0 +1,69 @@
+"""torch's Flight Recorder on every process group of a watched rank, readable by the launcher while
+the rank is blocked inside a collective (the hang report's "Flight Recorder" section).
+
+Why a hook: `FlightRecorderHook.attach(group)` records each collective of a group (op, sequence
+number, sizes, dtypes) whatever its backend, gloo included, into the process's Flight Recorder, the
+same record NCCL keeps natively: so the CPU tests run the code a GPU run uses. Every group is
+hooked as it is registered (the world here; later the device mesh's, the checkpoint writer's):
+torch has no public callback on group creation, so this wraps the one function every group passes
+through, `distributed_c10d._register_pg_in_world`.
+
+Why a server: a rank blocked in a collective runs no Python code of its own (a Python signal
+handler would wait for it), so the record is served by torch's C++ worker server
+(`_WorkerServer`, its `fr_trace_json` and `dump_nccl_trace_pickle` handlers answer from a C++
+thread, without the GIL) on a Unix socket in the directory the launcher names in SOCKETS_ENV
+(private to the launch; `trainkit.launch.flight_recorder_dumps` asks it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+SOCKETS_ENV = "TRAINKIT_FLIGHT_RECORDER_DIR"  # set by the launcher's hang watch: the rank's sockets go there
+SOCKET = "rank{rank}.sock"
+
+_hooks: list = []  # the attached hooks: a hook dropped is a hook removed
+_server = None
+
+
+def socket_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / SOCKET.format(rank=rank)
+
+
+def start(rank: int) -> None:
+    """When the launcher watches for hangs: record every process group's collectives and serve the
+    record on this rank's socket. Needs the default group (after init_process_group)."""
+    global _server
+    directory = os.environ.get(SOCKETS_ENV)
+    if not directory or _server is not None:
+        return
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _WorkerServer
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        _attach(group)
+    register = distributed_c10d._register_pg_in_world
+
+    def register_and_record(pg, *args, **kwargs):
+        register(pg, *args, **kwargs)
+        _attach(pg)
+
+    distributed_c10d._register_pg_in_world = register_and_record
+    path = socket_path(Path(directory), rank)
+    path.unlink(missing_ok=True)  # a previous attempt's rank (restarts reuse the launch's directory)
+    try:
+        _server = _WorkerServer(str(path))
+    except RuntimeError as exc:  # the record still helps a dump on timeout; the report says no answer
+        print(f"trainkit: warning: rank {dist.get_rank()}: flight recorder server: {exc}", file=sys.stderr)
+
+
+def _attach(group) -> None:
+    from torch._C._distributed_c10d import FlightRecorderHook
+
+    try:
+        _hooks.append(FlightRecorderHook.attach(group))
+    except (RuntimeError, TypeError) as exc:  # e.g. a group this rank is not a member of
+        print(f"trainkit: warning: flight recorder not attached to a process group: {exc}", file=sys.stderr)
