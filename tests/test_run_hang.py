@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import subprocess
+import sys
+import threading
 import time
 
 import psutil
 from mlflow.tracking import MlflowClient
 
-from run_helpers import mlp_recipe, trainkit
+from run_helpers import free_port, mlp_recipe, trainkit
 
 from trainkit.runtime.checkpoint import newest_valid
 
@@ -186,3 +190,52 @@ def test_a_loader_worker_removes_the_stacks_files_of_finished_workers(tmp_path):
         faulthandler.unregister(progress_record.STACKS_SIGNAL)
         record.loader_stacks.close()
     assert not dead.exists() and live.exists() and other_rank.exists()
+
+
+RANK_HOLDING_THE_GIL = """
+import ctypes, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from trainkit.runtime import flight_recorder
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
+flight_recorder.start(rank)  # what progress_record.start does in a watched worker
+mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))  # groups made after the start
+writer = dist.new_group(backend="gloo")  # as the checkpoint writer makes its own
+dist.all_reduce(torch.ones(3))
+dist.all_reduce(torch.ones(6), group=mesh.get_group("tp"))
+dist.all_reduce(torch.ones(7), group=writer)
+print("ready", flush=True)
+ctypes.PyDLL(None).sleep(120)  # libc's sleep, called holding the GIL: no Python code runs in this process
+"""
+
+
+def test_every_group_is_recorded_and_served_while_the_rank_holds_the_gil(tmp_path):
+    """Guards the two claims the Flight Recorder section rests on, which the hang runs above cannot
+    show (their groups are the world's only): groups made after the record started (the device mesh's,
+    a new_group like the checkpoint writer's) are hooked too, and the record is served while the rank
+    runs no Python at all (the server is torch's C++ thread; a Python handler would wait for the GIL,
+    as it would for a main thread blocked in a collective). Two gloo ranks, then each holds the GIL."""
+    from trainkit.launch.flight_recorder_dumps import _ask, for_analysis
+    from trainkit.runtime.flight_recorder import SOCKETS_ENV, socket_path
+
+    env = {**os.environ, SOCKETS_ENV: str(tmp_path), "TORCH_FR_BUFFER_SIZE": "2000"}
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_HOLDING_THE_GIL, str(rank), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in (0, 1)]
+    deadline = threading.Timer(120, lambda: [proc.kill() for proc in ranks])  # never hangs the suite
+    deadline.start()
+    try:
+        for proc in ranks:
+            assert proc.stdout.readline().strip() == "ready"
+        for rank in (0, 1):
+            dump, left_out = for_analysis(json.loads(_ask(socket_path(tmp_path, rank), "fr_trace_json")), "gloo")
+            recorded = [(dump["pg_config"][e["process_group"][0]]["desc"], e["input_sizes"]) for e in dump["entries"]]
+            assert recorded == [("default_pg", [[3]]), ("mesh_tp", [[6]]), ("undefined", [[7]])], recorded
+            assert all(e["profiling_name"] == "gloo:all_reduce" for e in dump["entries"]) and not left_out
+    finally:
+        deadline.cancel()
+        for proc in ranks:
+            proc.kill()
+            proc.wait(timeout=30)
