@@ -102,17 +102,17 @@ def test_a_dimension_the_strategy_does_not_lay_ranks_out_on_is_refused_naming_on
     path = write(tmp_path, "{dp_replicate: 2, dp_shard: 1, tp: 2}", strategy="{name: ddp}")
     assert validate(capsys, path) == (2, [
         f"{at(path, 'tp')}: parallel.tp: strategy ddp does not lay ranks out on tp (parallel.tp is 2; its "
-        f"dimensions: dp_replicate); strategy fsdp lays ranks out on tp: use it, or set parallel.tp: 1"])
+        f"dimensions: dp_replicate); strategy fsdp or pipeline lays ranks out on tp: use it, or set parallel.tp: 1"])
     path = write(tmp_path, "{dp_shard: 2, tp: 2}", strategy="{name: deepspeed, zero_stage: 3}")
     code, lines = validate(capsys, path)
     assert code == 2 and lines == [f"{at(path, 'tp')}: parallel.tp: strategy deepspeed does not lay ranks "
-                                   f"out on tp (parallel.tp is 2; its dimensions: dp_shard); strategy fsdp lays "
-                                   f"ranks out on tp: use it, or set parallel.tp: 1"]
+                                   f"out on tp (parallel.tp is 2; its dimensions: dp_shard); strategy fsdp or "
+                                   f"pipeline lays ranks out on tp: use it, or set parallel.tp: 1"]
     path = write(tmp_path, "{dp_replicate: 2}", strategy="{name: ddp}")  # dp_shard's default -1 makes it 2
     code, lines = validate(capsys, path)
     assert code == 2 and lines == [f"{at(path)}: parallel.dp_shard: strategy ddp does not lay ranks "
                                    f"out on dp_shard (parallel.dp_shard is 2, inferred from -1; its dimensions: "
-                                   f"dp_replicate); strategy deepspeed or fsdp lays ranks out on dp_shard: use it, "
+                                   f"dp_replicate); strategy deepspeed or fsdp or pipeline lays ranks out on dp_shard: use it, "
                                    f"or set parallel.dp_shard: 1 and put the -1 on one of ddp's dimensions"]
     assert validate(capsys, write(tmp_path, "{dp_replicate: -1, dp_shard: 1}", strategy="{name: ddp}")) == (0, [])
 
