@@ -200,6 +200,38 @@ def test_meshes_on_cuda_with_nccl(tmp_path):
     check_all(tmp_path)
 
 
+@needs_cuda
+@needs_two
+def test_a_hang_under_nccl_has_the_flight_recorder_section_and_nccls_own_dumps(tmp_path):
+    """Issue 29, the GPU side of tests/test_run_hang.py (never run on the project's CPU-only CI
+    machines; written without a GPU at hand: run it on a 2-GPU node). Rank 1 sleeps inside the
+    backward of step 6 under nccl. The same hook and collection path as on gloo: hang.md's Flight
+    Recorder section names rank 1 missing from an nccl all-reduce of the MLP's gradient bucket,
+    from reports/flight-recorder/rank<R>; and NCCL's own record (ProcessGroupNCCL's ring, with
+    TORCH_FR_BUFFER_SIZE and TORCH_NCCL_DUMP_ON_TIMEOUT from the launcher) is fetched from each rank
+    as reports/nccl-trace-rank<R>, which torch's fr_trace reads and in which it finds rank 1 missing."""
+    import subprocess
+    import sys
+
+    recipe = mlp_recipe(tmp_path, "nccl-hang", launch={"nproc_per_node": 2, "backend": "nccl", "timeout_s": 120,
+                                                         "hang_timeout_s": 5},
+                        trainer={"max_steps": 40, "log_every": 2, "checkpoint": {"every": 4, "keep": 2}})
+    result = trainkit(tmp_path, "run", str(recipe), timeout=300,
+                      TRAINKIT_FAULT_HANG="rank=1,step=6,where=backward,how=sleep")
+    assert result.returncode == 1 and "hang: no rank made progress" in result.stderr, result.output
+    reports = tmp_path / "runs" / "nccl-hang" / "reports"
+    report = (reports / "hang.md").read_text()
+    assert report.startswith("# Hang: rank 1 is behind at step 6"), report
+    section = report.split("## Flight Recorder", 1)[1].split("\n## ", 1)[0]
+    assert "- ranks {1} did not join nccl:all_reduce #" in section, section
+    assert sorted(p.name for p in (reports / "flight-recorder").glob("rank*")) == ["rank0", "rank1"]
+    assert "The backend's own record of ranks 0, 1" in section, section
+    assert (reports / "nccl-trace-rank0").exists() and (reports / "nccl-trace-rank1").exists()
+    native = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(reports),
+                             "-p", "nccl-trace-rank"], capture_output=True, text=True, timeout=120)
+    assert native.returncode == 0 and "missing ranks: {1}" in native.stdout + native.stderr, native
+
+
 def test_bf16_is_not_advised_on_a_gpu_that_only_emulates_it(monkeypatch):
     """(Runs without a GPU too: the capability is faked.) A V100/T4 answers torch.cuda.is_bf16_supported() True (emulation) and False with
     including_emulation=False: the advice's environment must say bf16 is not fast there."""
