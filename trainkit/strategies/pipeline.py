@@ -66,6 +66,7 @@ from .pipeline_stages import (
 )
 
 BATCHNORM_LOCAL_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+MAX_LOGITS_DIMS = 8  # evaluation logits broadcast from the last stage: at most this many dimensions
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
@@ -74,6 +75,7 @@ class PipelineStrategy(Strategy):
     options: PipelineOptions
 
     pp_group = dp_group = None  # None: the world (one pipeline); set by setup() for data_parallel > 1
+    _evaluating = False  # eval_forward's schedule.eval: the loss of its placeholder target is not computed
 
     @property
     def sharded(self) -> bool:
@@ -236,6 +238,8 @@ class PipelineStrategy(Strategy):
         scale = m * grad_accum_steps
 
         def stage_loss(out, target):  # mean over the micro-batch, / micro-batches and accumulation
+            if self._evaluating:  # schedule.eval runs it on a placeholder target: a zero, whatever the task
+                return out.float().sum() * 0.0
             return loss_fn(out.float(), target) / scale
 
         cls = getattr(schedules, SCHEDULES[self.options.schedule])
@@ -305,15 +309,23 @@ class PipelineStrategy(Strategy):
         if n < full:  # a short last batch: the stages exchange micro-batches of the training shape, so pad
             x = torch.cat([x, x.new_zeros((full - n,) + tuple(x.shape[1:]))])
         kwargs = {"target": torch.zeros(x.shape[0], dtype=torch.long, device=self.device)} if last else {}
-        with self._autocast(precision):
-            out = self.schedule.eval(*((x,) if first else ()), **kwargs)
+        self._evaluating = True
+        try:
+            with self._autocast(precision):
+                out = self.schedule.eval(*((x,) if first else ()), **kwargs)
+        finally:
+            self._evaluating = False
         if last:
             out = out[:n]
         if self.pipeline_size == 1:
             return out
-        shape = torch.tensor(list(out.shape) if last else [0, 0], device=self.device, dtype=torch.long)
+        # the number of dimensions first, then the sizes: a classifier's logits are 2-D, a language model's 3-D
+        shape = torch.zeros(MAX_LOGITS_DIMS + 1, device=self.device, dtype=torch.long)
+        if last:
+            shape[0], shape[1:out.dim() + 1] = out.dim(), torch.tensor(out.shape)
         dist.broadcast(shape, src=self.last_stage_rank, group=self.pp_group)
-        logits = out.detach().float().contiguous() if last else torch.empty(shape.tolist(), device=self.device)
+        sizes = shape[1:int(shape[0]) + 1].tolist()
+        logits = out.detach().float().contiguous() if last else torch.empty(sizes, device=self.device)
         dist.broadcast(logits, src=self.last_stage_rank, group=self.pp_group)
         return logits
 
