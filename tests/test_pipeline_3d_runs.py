@@ -4,15 +4,15 @@
 The tiny transformer (dim 32, 2 layers, 2 heads, vocab 320, seq 16) on `parallel: {pp: 2, dp_shard: 2,
 tp: 2}`: 2 stages, each split over 2 tensor-parallel ranks and sharded over 2 data-parallel ranks, 3 SGD
 steps with `grad_clip: 0.5` acting on every step (the norm across stages and meshes). One 8-rank launch
-trains it, resumes it from its own step-2 checkpoint and exports it (the grid's cell runner); then one
-plain process trains the cell's one-process reference and resumes the 8-rank step-2 checkpoint under
-FSDP on one process (another mesh, another strategy).
+trains it, resumes it from its own step-2 checkpoint and exports it (the grid's cell runner), then a
+variant with what else sharded stages combine with (the interleaved schedule, two stages per rank;
+full activation checkpointing; evaluation); then one plain process trains the references and resumes
+the cell's 8-rank step-2 checkpoint under FSDP on one process (another mesh, another strategy).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 from pathlib import Path
@@ -35,13 +35,18 @@ def _write_run(folder: Path, name: str, recipe: dict) -> Path:
     return run_dir
 
 
-def on_one_fsdp_process(recipe: dict, checkpoint: Path) -> dict:
-    """`recipe` resumed from `checkpoint` by FSDP on one process, reading the same global batch."""
-    dp = math.prod(recipe["parallel"][d] for d in ("dp_shard",) if d in recipe["parallel"])
-    out = merge(recipe, {"strategy": {"name": "fsdp"}, "launch": {"nproc_per_node": 1},
-                         "data": {"batch_size": recipe["data"]["batch_size"] * dp},
-                         "trainer": {"resume": str(checkpoint)}})
-    out["strategy"] = {"name": "fsdp"}
+# the variant: interleaved 1F1B (4 stages, 2 per rank), full activation checkpointing, evaluation
+VARIANT = merge(CELL.recipe(), {"strategy": {"schedule": "interleaved_1f1b"},
+                                "performance": {"activation_checkpointing": "full"},
+                                "trainer": {"eval_every": STEPS, "eval_steps": 2}})
+
+
+def on_one_process(recipe: dict, strategy: str, **trainer) -> dict:
+    """`recipe` under `strategy` on one process, reading the same global batch (and evaluation batches)."""
+    out = merge(recipe, {"launch": {"nproc_per_node": 1}, "performance": {"activation_checkpointing": "none"},
+                         "data": {"batch_size": recipe["data"]["batch_size"] * recipe["parallel"]["dp_shard"]},
+                         "trainer": trainer})
+    out["strategy"] = {"name": strategy}
     out.pop("parallel")
     return out
 
@@ -50,11 +55,15 @@ def train_3d(folder: Path, *, device_env: dict) -> dict[str, Path]:
     """The 8-rank launch (train, resume, export), then the one process (reference, resume on FSDP 1)."""
     _write_corpus(folder)
     reference, _ = CELL.reference()
-    dirs = {"3d": _write_run(folder, "3d", CELL.recipe()), "reference": _write_run(folder, "reference", reference)}
-    step2 = dirs["3d"] / "checkpoints" / "step-00000002"
-    dirs["3d-to-fsdp-1"] = _write_run(folder, "3d-to-fsdp-1", on_one_fsdp_process(CELL.recipe(), step2))
-    _launch_all(folder, {CELL.world: [dirs["3d"]]}, LAUNCH_TIMEOUT_S, device_env, keep_checkpoints=True)
-    _launch_all(folder, {1: [dirs["reference"], dirs["3d-to-fsdp-1"]]}, LAUNCH_TIMEOUT_S, device_env, resume=False)
+    step2 = folder / "3d" / "checkpoints" / "step-00000002"
+    recipes = {"3d": CELL.recipe(), "variant": VARIANT, "reference": reference,
+               "variant-reference": on_one_process(VARIANT, "ddp"),
+               "3d-to-fsdp-1": on_one_process(CELL.recipe(), "fsdp", resume=str(step2))}
+    dirs = {name: _write_run(folder, name, recipe) for name, recipe in recipes.items()}
+    _launch_all(folder, {CELL.world: [dirs["3d"], dirs["variant"]]}, LAUNCH_TIMEOUT_S, device_env,
+                keep_checkpoints=True)
+    _launch_all(folder, {1: [dirs[n] for n in ("reference", "variant-reference", "3d-to-fsdp-1")]}, LAUNCH_TIMEOUT_S,
+                device_env, resume=False)
     return dirs
 
 
@@ -69,10 +78,17 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {int(k): v for k, v in result["losses"].items()}
 
 
-def _grad_norms(run_dir: Path) -> dict[int, float]:
-    """metrics.jsonl's gradient norm of each step (before clipping)."""
+def _metric(run_dir: Path, key: str) -> dict[int, float]:
+    """metrics.jsonl's `key` at each step that has it."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["grad_norm"] for r in rows if "grad_norm" in r}
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], what: str) -> None:
+    assert sorted(got) == sorted(want) and want, f"{what}: steps {sorted(got)}, one process {sorted(want)}"
+    for step in want:
+        assert abs(got[step] - want[step]) <= RTOL * abs(want[step]), (
+            f"{what} {got[step]} at step {step}, one process {want[step]}")
 
 
 @pytest.mark.distributed
@@ -90,10 +106,8 @@ def test_3d_trains_like_one_process_resumes_on_another_mesh_and_exports(runs):
                command="TRAINKIT_GRID_RECORD=1 pytest tests/test_pipeline_3d_runs.py")
     assert not problems, problems
     losses = _losses(runs["3d"])
-    norms, reference = _grad_norms(runs["3d"]), _grad_norms(runs["reference"])
-    assert sorted(norms) == sorted(reference) == list(range(1, STEPS + 1)), (norms, reference)
-    for step, want in reference.items():  # the clipped norm: over both stages, both meshes, all pieces
-        assert abs(norms[step] - want) <= RTOL * want, f"grad_norm {norms[step]} at step {step}, one process {want}"
+    # the norm before clipping: over both stages, both meshes, every rank's pieces
+    _assert_close(_metric(runs["3d"], "grad_norm"), _metric(runs["reference"], "grad_norm"), "3d grad_norm")
 
     metadata = FileSystemReader(str(runs["3d"] / "checkpoints" / f"step-{STEPS:08d}")).read_metadata()
     for stage_weight in ("model.layers.0.attention.wq.weight", "model.layers.1.feed_forward.w1.weight"):
@@ -104,3 +118,12 @@ def test_3d_trains_like_one_process_resumes_on_another_mesh_and_exports(runs):
     assert sorted(resumed) == [STEPS], f"3d-to-fsdp-1 trained steps {sorted(resumed)}: it did not resume"
     off = abs(resumed[STEPS] - losses[STEPS]) / abs(losses[STEPS])
     assert off <= RTOL, f"FSDP 1 resumed the 3-D step-2 checkpoint to {resumed[STEPS]}, 3-D had {losses[STEPS]}"
+
+
+@pytest.mark.distributed
+def test_3d_with_the_interleaved_schedule_checkpointing_and_evaluation_trains_like_one_process(runs):
+    """Two stages per rank (interleaved 1F1B), every block recomputed in backward, and the final
+    evaluation: losses, gradient norms and the evaluation equal one process's, every evaluation token
+    counted once (the pp x tp ranks of a pipeline read the same batch)."""
+    for key in ("loss", "grad_norm", "eval_loss", "eval_tokens"):
+        _assert_close(_metric(runs["variant"], key), _metric(runs["variant-reference"], key), f"variant {key}")
