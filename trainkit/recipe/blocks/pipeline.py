@@ -145,8 +145,9 @@ class PipelineOptions(StrategyOptions):
         if facts_for(r.model.name).needs_split_points:
             yield ("parallel",), (
                 f"the traced pipeline ({r.model.name}, not an nn.Sequential) with {mesh} is refused: sharded stages "
-                f"need stage modules that keep the model's own submodules (an nn.Sequential such as the built-in "
-                f"transformer); set parallel.dp_shard: 1 and parallel.tp: 1, or use strategy fsdp")
+                f"are cut from an nn.Sequential's blocks (each stage the model with only its blocks, under their own "
+                f"names), and traced stages are not sharded; set parallel.dp_shard: 1 and parallel.tp: 1, or use "
+                f"strategy fsdp")
         if dims.dp_replicate > 1:
             yield ("parallel", "dp_replicate"), (
                 f"strategy pipeline with {mesh}: replicas of sharded stages (HSDP inside the pipeline) are not "
