@@ -49,9 +49,14 @@ OP_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "a
 IN_PLACE = {"all_reduce", "allreduce_coalesced", "broadcast", "reduce"}  # the result overwrites the input
 
 
+SOCKET_PATH_MAX = 100  # a Unix socket's path holds at most 107 bytes; "/trainkit-fr-XXXXXXXX/rank<R>.sock" follows
+
+
 def sockets_directory() -> Path:
-    """A directory private to this launch for the ranks' sockets (a short path: a socket's is limited)."""
-    return Path(tempfile.mkdtemp(prefix="trainkit-fr-"))
+    """A directory private to this launch (mode 0700) for the ranks' sockets: in the temporary
+    directory, or in /tmp when that path is too long for a socket's."""
+    parent = tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix="trainkit-fr-", dir=parent if len(parent) < SOCKET_PATH_MAX - 40 else "/tmp"))
 
 
 def workers_env(directory: Path) -> dict:
@@ -92,10 +97,17 @@ def collect(run_dir: Path, directory: Path, ranks: dict, backend: str) -> Dumps:
         dump, left_out = for_analysis(record, label)
         dumps.ranks[rank], dumps.left_out = dump, dumps.left_out + left_out
         (dumps.folder / f"{DUMP_PREFIX}{rank}").write_bytes(pickle.dumps(dump))
-        if pickle.loads(native).get("entries"):  # NCCL's own record (empty on other backends)
+        if _has_entries(native):  # NCCL's own record (empty on other backends)
             report_path(run_dir, f"{NCCL_TRACE}{rank}").write_bytes(native)
             dumps.native.append(rank)
     return dumps
+
+
+def _has_entries(dump: bytes) -> bool:
+    try:
+        return bool(pickle.loads(dump).get("entries"))
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError):
+        return False
 
 
 def for_analysis(record: dict, label: str) -> tuple[dict, int]:
@@ -165,12 +177,23 @@ def report_lines(dumps: Dumps, analysis: str, run_dir: Path) -> list[str]:
     if dumps.native:
         lines += ["", f"The backend's own record of ranks {', '.join(map(str, dumps.native))}: "
                       f"`reports/{NCCL_TRACE}<R>` (the same analysis reads them)."]
-    shown = analysis.splitlines()
+    shown = _collapsed(analysis.splitlines())
     lines += ["", *[f"- {line}" for line in verdicts(analysis)]] if verdicts(analysis) else []
     lines += ["", "```", *shown[:ANALYSIS_LINES],
               *([f"... ({len(shown) - ANALYSIS_LINES} more lines in {folder}/{ANALYSIS})"]
                 if len(shown) > ANALYSIS_LINES else []), "```"]
     return lines
+
+
+def _collapsed(lines: list[str]) -> list[str]:
+    """Repeated lines once, counted (fr_trace says the same for each collective it cannot decide)."""
+    out: list[list] = []
+    for line in lines:
+        if out and out[-1][0] == line:
+            out[-1][1] += 1
+        else:
+            out.append([line, 1])
+    return [line if count == 1 else f"{line} (x{count})" for line, count in out]
 
 
 def verdicts(analysis: str) -> list[str]:

@@ -225,10 +225,7 @@ class HangWatch:
         hang = Hang(ranks, behind, why, silent_s, timeout_s)
         hang.repeated = hang.key() == self.previous
         self.previous = hang.key()
-        dumps = flight_recorder_dumps.collect(self.run_dir, self.sockets, {
-            r.number: f"its process is stopped (State {r.state})" if r.stopped else "" for r in ranks}, self.backend)
-        flight_recorder = flight_recorder_dumps.report_lines(dumps, flight_recorder_dumps.analyse(dumps), self.run_dir)
-        hang.report = _write_report(self.run_dir, hang, flight_recorder)
+        hang.report = _write_report(self.run_dir, hang, self._flight_recorder(ranks))
         print(f"trainkit: {hang.summary()}; report: {hang.report}", file=sys.stderr, flush=True)
         if hang.repeated:  # stops torchrun's restarts (launch.failures.RestartAnnouncer reads the marker)
             write_fatal(self.run_dir, HangError(f"{hang.summary()}, the same hang as the previous attempt "
@@ -237,6 +234,16 @@ class HangWatch:
         for rank in ranks:  # SIGKILL: a stopped rank does not act on SIGTERM; checkpoints are written atomically
             self.ended.add(rank.record["pid"])
             _signal(int(rank.record["pid"]), signal.SIGKILL)
+
+
+    def _flight_recorder(self, ranks: list[Rank]) -> list[str]:
+        """hang.md's Flight Recorder section (a failure there must not cost the rest of the report)."""
+        try:
+            dumps = flight_recorder_dumps.collect(self.run_dir, self.sockets, {
+                r.number: f"its process is stopped (State {r.state})" if r.stopped else "" for r in ranks}, self.backend)
+            return flight_recorder_dumps.report_lines(dumps, flight_recorder_dumps.analyse(dumps), self.run_dir)
+        except Exception as exc:
+            return ["", "## Flight Recorder", "", f"Not collected: {type(exc).__name__}: {exc}"]
 
 
 class HangError(RuntimeError):
