@@ -130,7 +130,9 @@ class PipelineOptions(StrategyOptions):
 
 
     def _sharded_stages_rules(self, r: Any) -> Iterator[Finding]:
-        """What the sharded-stages layout (pp x dp_shard x tp) cannot do, found by running it (torch 2.14)."""
+        """What the sharded-stages layout (pp x dp_shard x tp) does not do. Ran with it and equal to one
+        process (tests/test_pipeline_3d_runs.py): 1f1b and interleaved_1f1b, grad_clip, full activation
+        checkpointing, evaluation; compile under tp is refused by the mesh rules, fp16 by the precisions."""
         ws = r.world_size
         if r.parallel is None or ws is None:
             return
@@ -153,19 +155,11 @@ class PipelineOptions(StrategyOptions):
                 f"strategy pipeline with {mesh}: replicas of sharded stages (HSDP inside the pipeline) are not "
                 f"verified; set parallel.dp_replicate: 1 (and strategy.data_parallel: 1), or drop dp_shard and tp "
                 f"for pipeline replicas")
-        for rule in SHARDED_STAGE_REFUSALS:
-            found = rule(self, r, mesh)
-            if found:
-                yield found
 
 
 def sharded_stages(dims: ParallelDims) -> bool:
     """The pipeline's third layout: stages tensor-parallel and/or sharded with FSDP (torchtitan's 3-D)."""
     return dims.dp_shard > 1 or dims.tp > 1
-
-
-# what the sharded stages were run with and refused, each with why (recipe -> finding or None)
-SHARDED_STAGE_REFUSALS: list = []
 
 
 def _split_points_fix(ranks: Optional[int], example: str) -> str:
