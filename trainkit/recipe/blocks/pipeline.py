@@ -33,13 +33,16 @@ class PipelineOptions(StrategyOptions):
                                "world size = data_parallel x ranks per pipeline; gradients all-reduced per stage)")
 
     def capabilities(self) -> Capabilities:
-        # stage files follow the stage count, which is the world size: no resharding on load
+        # stage files follow the stage count, which is the world size: no resharding on load (sharded stages'
+        # DCP checkpoints would reshard, but the options cannot tell the layouts apart: another strategy, e.g.
+        # fsdp, loads them on any mesh)
         # no fp16 loss scaling across stages: fp16 is refused by `validate` (the precision rule)
         # channels_last: a traced ResNet's stage sent its NHWC activation and torch's P2P send refused it
         # ("input tensor has to be contiguous"; found by the compatibility grid)
         return Capabilities(splits_model=True, reshards_on_load=False,
-                            background_save_refusal="the pipeline writes one file per stage of its own, with no "
-                                                    "background write",
+                            background_save_refusal="the pipeline writes its checkpoint itself (one file per "
+                                                    "stage, or, for sharded stages, DCP with one optimizer group "
+                                                    "naming the whole model), with no background write",
                             precisions=frozenset({"fp32", "bf16"}),
                             mesh_dims=frozenset({"pp", "dp_replicate", "dp_shard", "tp"}),
                             unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "channels_last": (
