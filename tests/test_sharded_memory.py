@@ -1,24 +1,25 @@
 """No rank ever holds the whole model under FSDP or ZeRO-3 (issue 28): over a whole `trainkit run`
--- build, steps, the weights check and save of a checkpoint, the end-of-run replica check -- each
-worker's resident high-water mark (VmHWM, tests/fault_injection.py TRAINKIT_FAULT_PROBE_MEMORY) is
-read after the second optimizer step (build, setup, the optimizer's state filled in) and as the
-worker exits.
+-- build, steps, the weights check and save of a checkpoint, a resume, the end-of-run replica check --
+each worker's resident high-water mark (VmHWM, tests/fault_injection.py TRAINKIT_FAULT_PROBE_MEMORY)
+is read as the worker exits, against its baseline before the model (the libraries imported).
 
-The model is a 19M-parameter MLP (72 MiB of fp32 parameters, 2 ranks, AdamW). Two bounds:
-- everything after the second step (a third step, the checkpoint at step 3 with its weights check,
-  the end-of-run replica check) adds less than half the model's parameters to the peak: a gathered
-  model would add all of it. The previous end-of-run check (FSDP: every `full_tensor()` kept, shards
-  pickled to rank 0; ZeRO-3: `GatheredParameters` over the whole model, cloned, also before every
-  checkpoint) added two copies.
-- FSDP: the whole-life peak above the pre-model baseline stays below a DDP rank's full training state
-  (4 x the parameters: parameters, gradients, two AdamW moments). ZeRO-3 does not meet that at 2 ranks
-  in fp32 with torch's AdamW (its own fp32 master copy beside each partition; docs/benchmarks.md,
-  "No rank holds the whole model"), so it is held to the first bound only.
+The bound, for both: the whole-life peak above the baseline stays below a DDP rank's full training
+state (4 x the parameters: fp32 parameters, gradients, two AdamW moments), at 2 ranks.
+- FSDP, a 19 M-parameter MLP (72 MiB): also, everything after the second step (a third step, the
+  checkpoint at step 3 with its weights check, the end-of-run replica check) adds less than half the
+  model's parameters to the peak: a gathered model would add all of it. The previous end-of-run check
+  (every `full_tensor()` kept, shards pickled to rank 0) added two copies.
+- ZeRO-3, a 31.5 M-parameter MLP (120 MiB), measured in workers that resume from a checkpoint after a
+  restart: its fixed buffers (5M-element buckets, the engine: ~200 MiB per rank) would hide what
+  scales with the model on a smaller one. DeepSpeed's fp32 master copy of each rank's partition put it
+  over the bound (507 MiB against 481; now 447), and a whole-model gather at the end of the run
+  (before: `GatheredParameters` + clone in the weights and replica checks) would too.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -27,11 +28,17 @@ from strategy_runs import SEEDED_MLP, deepspeed_env
 
 pytestmark = pytest.mark.distributed
 
-IN, HIDDEN, DEPTH, CLASSES = 1024, 2048, 5, 10
-PARAMS = IN * HIDDEN + HIDDEN + (DEPTH - 1) * (HIDDEN * HIDDEN + HIDDEN) + HIDDEN * CLASSES + CLASSES
-MODEL_BYTES = 4 * PARAMS  # fp32
-FULL_STATE_BYTES = 4 * MODEL_BYTES  # DDP's: parameters, gradients, AdamW's two moments, on every rank
+IN, CLASSES = 1024, 10
 STEPS = 3  # the probe's reference is after step 2; the checkpoint is at step 3
+
+
+def parameters(hidden: int, depth: int) -> int:
+    return IN * hidden + hidden + (depth - 1) * (hidden * hidden + hidden) + hidden * CLASSES + CLASSES
+
+
+def full_state_bytes(params: int) -> int:
+    """DDP's training state on every rank: fp32 parameters, gradients and AdamW's two moments."""
+    return 4 * 4 * params
 
 
 @pytest.fixture(scope="module")
@@ -39,38 +46,62 @@ def ext(request, tmp_path_factory) -> dict:
     return deepspeed_env(request, tmp_path_factory)
 
 
-def peaks_of_a_run(tmp, strategy: dict, env: dict) -> list[dict]:
-    """A 2-rank run with a checkpoint at its last step and the end-of-run checks; each worker's
-    baseline and whole-life peak."""
-    probe = tmp / "memory"
-    probe.mkdir()
-    path = write_recipe(tmp, "big", SEEDED_MLP, strategy=strategy,
-                        model={"args": {"in_features": IN, "hidden": HIDDEN, "num_classes": CLASSES,
-                                        "depth": DEPTH}, "init": "auto"},
+def recipe(tmp, strategy: dict, hidden: int, depth: int, max_steps: int = STEPS, every: int = STEPS, **sections):
+    return write_recipe(tmp, "big", SEEDED_MLP, strategy=strategy,
+                        model={"args": {"in_features": IN, "hidden": hidden, "num_classes": CLASSES, "depth": depth},
+                               "init": "auto"},
                         data={"shape": [IN], "num_classes": CLASSES, "num_samples": 64, "batch_size": 4},
                         optimizer={"name": "adamw", "lr": 1e-4},
-                        trainer={"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": STEPS}})
+                        trainer={"max_steps": max_steps, "log_every": 1, "checkpoint": {"every": every}}, **sections)
+
+
+def peaks_of_a_run(tmp, path, env: dict) -> list[dict]:
+    """A 2-rank `trainkit run` (checkpoints, the end-of-run checks): each worker's baseline and
+    whole-life peak."""
+    probe = tmp / "memory"
+    probe.mkdir()
     result = trainkit(tmp, "run", str(path), TRAINKIT_FAULT_PROBE_MEMORY=str(probe), **env)
     assert result.returncode == 0, result.output[-4000:]
     s = summary(tmp / "runs" / "big")
     assert s["replicas_identical"] is True, s["replica_digests"]
-    assert (tmp / "runs" / "big" / "checkpoints" / f"step-{STEPS:08d}").is_dir()
+    assert sorted((tmp / "runs" / "big" / "checkpoints").glob("step-*"))
     return [json.loads((probe / f"memory-rank{rank}.json").read_text()) for rank in range(2)]
 
 
-@pytest.mark.parametrize("strategy", [{"name": "fsdp"}, {"name": "deepspeed", "zero_stage": 3}],
-                         ids=["fsdp", "zero3"])
-def test_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ext, strategy):
-    env = ext if strategy["name"] == "deepspeed" else {}
-    peaks = peaks_of_a_run(tmp_path, strategy, env)
-    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+def mib(b: int) -> str:
+    return f"{b / 2**20:.0f} MiB"
+
+
+def assert_nothing_gathered_after_step_2(peaks: list[dict], params: int) -> None:
     end = [p["peak"] - p["after_step_2"] for p in peaks]
-    above = [p["peak"] - p["baseline"] for p in peaks]
-    print(f"{strategy}: after step 2 -> exit {[mib(b) for b in end]}, above the baseline {[mib(b) for b in above]}")
-    assert max(end) < MODEL_BYTES / 2, (
+    assert max(end) < 4 * params / 2, (
         f"the checkpoint and the end of the run raised the peak per rank by {[mib(b) for b in end]}; the "
-        f"model's parameters are {mib(MODEL_BYTES)}")
-    if strategy["name"] == "fsdp":
-        assert max(above) < FULL_STATE_BYTES, (
-            f"peak above the pre-model baseline per rank: {[mib(b) for b in above]}; a full copy of the "
-            f"training state is {mib(FULL_STATE_BYTES)} ({PARAMS:,} parameters)")
+        f"model's parameters are {mib(4 * params)}")
+
+
+def assert_below_a_full_copy(peaks: list[dict], params: int, what: str) -> None:
+    above = [p["peak"] - p["baseline"] for p in peaks]
+    print(f"{what}: above the baseline {[mib(b) for b in above]}, a full training state {mib(full_state_bytes(params))}")
+    assert max(above) < full_state_bytes(params), (
+        f"{what}: peak above the pre-model baseline per rank: {[mib(b) for b in above]}; a full copy of the "
+        f"training state is {mib(full_state_bytes(params))} ({params:,} parameters)")
+
+
+def test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path):
+    hidden, depth = 2048, 5  # 19 M parameters, 72 MiB
+    peaks = peaks_of_a_run(tmp_path, recipe(tmp_path, {"name": "fsdp"}, hidden, depth), {})
+    assert_nothing_gathered_after_step_2(peaks, parameters(hidden, depth))
+    assert_below_a_full_copy(peaks, parameters(hidden, depth), "fsdp")
+
+
+def test_zero3_no_rank_holds_a_full_copy_over_a_resumed_run(tmp_path, ext):
+    """fp32, torch's AdamW, 31.5 M parameters (120 MiB). Rank 1 exits after the step-2 checkpoint; the
+    restarted workers -- the ones measured -- build the model, load their optimizer files, take steps
+    3-4, save at step 4 and run the end-of-run checks."""
+    hidden, depth = 3072, 4
+    params = parameters(hidden, depth)
+    path = recipe(tmp_path, {"name": "deepspeed", "zero_stage": 3}, hidden, depth, max_steps=4, every=2,
+                  launch={"max_restarts": 1})
+    peaks = peaks_of_a_run(tmp_path, path, dict(ext, TRAINKIT_FAULT_INJECT="rank=1,step=2"))
+    assert Path(summary(tmp_path / "runs" / "big")["resumed_from"]).name == "step-00000002"
+    assert_below_a_full_copy(peaks, params, "zero3, resumed")
