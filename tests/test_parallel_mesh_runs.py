@@ -56,7 +56,7 @@ def _recipe(ranks: int, parallel: dict | None, batch_size: int, **extra) -> dict
     if parallel is not None:
         out["parallel"] = parallel
     for key, value in extra.items():
-        out[key] = {**out.get(key, {}), **value}
+        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
     return out
 
 
@@ -65,10 +65,11 @@ HF_LLAMA = {"name": "hf_causal_lm", "init": "constructor", "args": {"config": {
     "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 2, "max_position_embeddings": 32, "tie_word_embeddings": False}}}
 
-# name -> recipe; the runs of one launch train in this order
+# name -> recipe; the runs of one launch train in this order (the 4-rank ones with the `breakdown`
+# monitor: communication per mesh dimension, test_communication_is_timed_per_mesh_dimension)
 RUNS_4 = {
-    "hsdp-2x2": _recipe(4, {"dp_replicate": 2, "dp_shard": 2}, 1),
-    "fsdp-tp-2x2": _recipe(4, {"dp_shard": 2, "tp": 2}, 2),
+    "hsdp-2x2": _recipe(4, {"dp_replicate": 2, "dp_shard": 2}, 1, monitors=["breakdown"]),
+    "fsdp-tp-2x2": _recipe(4, {"dp_shard": 2, "tp": 2}, 2, monitors=["breakdown"]),
 }
 RUNS_2 = {"tp-2": _recipe(2, {"dp_shard": 1, "tp": 2}, 4),
           "hf-llama-tp-2": _recipe(2, {"dp_shard": 1, "tp": 2}, 4, model=HF_LLAMA)}
@@ -92,7 +93,8 @@ def _write_run(folder: Path, name: str, recipe: dict) -> Path:
 def _launch(folder: Path, ranks: int, run_dirs: list[Path], device_env: dict) -> None:
     """Train `run_dirs` in one launch (checkpoints kept: the reshard runs resume from them)."""
     spec = folder / f"cells-{ranks}.json"
-    spec.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs], "resume": False, "keep_checkpoints": True}))
+    spec.write_text(json.dumps({"run_dirs": [str(p) for p in run_dirs], "resume": False, "keep_checkpoints": True,
+                                "reports": True}))  # reports/: what `trainkit report` reads
     head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
             "--master_port", str(free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
     with open(folder / f"cells-{ranks}.log", "w") as log:
@@ -239,6 +241,43 @@ def check_export(runs: Path, name: str) -> None:
         assert off <= RTOL, f"{name}: {key} differs from one process's by {off:.2e} of its norm"
 
 
+def test_communication_is_timed_per_mesh_dimension(runs):
+    check_communication_per_dimension(runs)
+
+
+def _mesh_comm(runs: Path, name: str) -> list[dict]:
+    """Every rank's communication per mesh dimension, per step, as the run's evidence holds it."""
+    return json.loads((runs / name / "reports" / "breakdown.json").read_text())["mesh_comm"]
+
+
+def check_communication_per_dimension(runs: Path) -> None:
+    """The `breakdown` monitor times each mesh dimension's collectives on every rank: FSDP x TP 2x2 has
+    its tensor-parallel layers' collectives on "tp" and FSDP's all-gathers and reduce-scatters on
+    "dp_shard"; HSDP 2x2 has "dp_shard" and the replicas' all-reduce on "dp_replicate", and nothing on
+    "tp" (it has no tensor parallel): the figures follow the mesh. They are logged at each log step,
+    and `trainkit report` shows them per dimension and names the costliest."""
+    from run_helpers import trainkit
+
+    fsdp_tp, hsdp = _mesh_comm(runs, "fsdp-tp-2x2"), _mesh_comm(runs, "hsdp-2x2")
+    assert len(fsdp_tp) == len(hsdp) == 4, (fsdp_tp, hsdp)
+    for dims in fsdp_tp:
+        for dim in ("tp", "dp_shard"):
+            assert dims[dim]["s"] > 0 and dims[dim]["bytes"] > 0 and dims[dim]["count"] >= 1, dims
+        assert "dp_replicate" not in dims, dims
+    for dims in hsdp:
+        assert "tp" not in dims and dims["dp_shard"]["s"] > 0 and dims["dp_replicate"]["s"] > 0, dims
+    logged, logged_hsdp = _metrics(runs, "fsdp-tp-2x2")[STEPS], _metrics(runs, "hsdp-2x2")[STEPS]
+    assert logged["breakdown/comm_tp_s"] > 0 and logged["breakdown/comm_dp_shard_s"] > 0, logged
+    assert "breakdown/comm_tp_s" not in logged_hsdp and logged_hsdp["breakdown/comm_dp_replicate_s"] > 0, logged_hsdp
+    report = trainkit(runs, "report", str(runs / "fsdp-tp-2x2"), timeout=120)
+    assert report.returncode == 0, report.stderr
+    rows = {line.split("|")[1].strip(): line for line in report.stdout.splitlines() if line.startswith("| ")}
+    assert {"tp", "dp_shard"} <= set(rows) and "dp_replicate" not in rows, report.stdout
+    assert all(float(rows[dim].split("|")[2]) > 0 for dim in ("tp", "dp_shard")), report.stdout  # ms per step
+    costliest = max(fsdp_tp[0], key=lambda d: sum(r[d]["s"] for r in fsdp_tp))
+    assert f"communication per mesh dimension: {costliest} costs most" in report.stdout, report.stdout
+
+
 def check_all(runs: Path) -> None:
     """Every check of this module on every run (the GPU tier's one test)."""
     for name in [*RUNS_4, *RUNS_2]:
@@ -249,6 +288,7 @@ def check_all(runs: Path) -> None:
         check_resumes_on_another_mesh(runs, name)
     for name in [*RUNS_4, *RUNS_2, *RESHARDS]:
         check_export(runs, name)
+    check_communication_per_dimension(runs)
 
 
 def test_mfu_credits_each_tensor_parallel_rank_with_its_share(tmp_path):

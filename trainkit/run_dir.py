@@ -50,6 +50,7 @@ BREAKDOWN = "breakdown.json"  # the evidence: per-rank step phases, env, wall ti
 BOTTLENECK = "bottleneck.md"  # the bottleneck report for people
 VERDICT = "verdict.json"  # the verdict and advice as tags (tracking turns them into MLflow run tags)
 GPU = "gpu.json"  # the gpu monitor's utilisation over the run
+MESH_COMM = "mesh-comm.json"  # the breakdown monitor's communication per mesh dimension over the run
 CUDA_OOM_SNAPSHOT = "cuda-oom-rank{rank}.pickle"  # the allocator's history when a rank ran out of GPU memory
 
 # RUN_DIR/live/
@@ -83,7 +84,8 @@ LAYOUT = (
                                  f"{ENVIRONMENT} (secret-looking variables keep their name, not their value), "
                                  f"{FAILURE} (why it failed)"),
     (f"{REPORTS}/", f"{BREAKDOWN} (the evidence), {BOTTLENECK} (the report), {VERDICT} (run tags), "
-                    f"{GPU} (gpu monitor), cuda-memory-rank<R>.pickle (memory monitor snapshots), "
+                    f"{GPU} (gpu monitor), {MESH_COMM} (breakdown monitor, with a mesh), "
+                    f"cuda-memory-rank<R>.pickle (memory monitor snapshots), "
                     f"cuda-oom-rank<R>.pickle (the GPU memory history of a rank that ran out, docs/memory.md)"),
     (f"{LIVE}/{BREAKDOWN}", "every rank's step phases of the last log interval, for `trainkit top`"),
     (f"{LIVE}/memory-rank<R>.json", "each rank's phase (build, step N, checkpoint N, end), peak memory and limit: "

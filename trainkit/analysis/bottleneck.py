@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..run_dir import WARMUP_STEPS
 from . import evidence as evidence_files
+from . import mesh_comm as mesh_comm_figures
 from .advice import (COMMUNICATION, COMPUTE, DATA, GPU_IDLE, OVERHEAD, Advice, comm_advice, compute_advice,
                      data_advice, straggler_advice, wall_advice)
 from .evidence import Evidence, describe_env
@@ -40,6 +41,7 @@ class Diagnosis:
     advice: list[Advice] = field(default_factory=list)
     table: list[list[str]] = field(default_factory=list)
     wall: list[list[str]] = field(default_factory=list)  # whole-run time accounting rows
+    mesh: list[list[str]] = field(default_factory=list)  # communication per mesh dimension (header first)
     facts: dict = field(default_factory=dict)  # numbers for tags/metrics: step_ms, data_wait_share, ...
 
     def ranked(self) -> list[Advice]:
@@ -72,6 +74,11 @@ class Diagnosis:
         if self.table:
             lines += ["| " + " | ".join(self.table[0]) + " |", "|" + "---|" * len(self.table[0])]
             lines += ["| " + " | ".join(row) + " |" for row in self.table[1:]]
+            lines.append("")
+        if self.mesh:
+            lines += ["Communication per mesh dimension (time with the dimension's collectives in flight):", ""]
+            lines += ["| " + " | ".join(self.mesh[0]) + " |", "|" + "---|" * len(self.mesh[0])]
+            lines += ["| " + " | ".join(row) + " |" for row in self.mesh[1:]]
             lines.append("")
         if self.wall:
             lines += ["Where the wall time went:", "", "| part | seconds | share |", "|---|---|---|"]
@@ -132,13 +139,16 @@ def diagnose_run(run_dir: Path, recipe) -> Diagnosis:
 
 
 def diagnose_evidence(ev: Evidence, recipe) -> Diagnosis:
-    return diagnose(ev.per_rank, recipe, env=ev.env, wall=ev.wall, gpu=ev.gpu, global_batch=ev.global_batch)
+    return diagnose(ev.per_rank, recipe, env=ev.env, wall=ev.wall, gpu=ev.gpu, global_batch=ev.global_batch,
+                    mesh_comm=ev.mesh_comm)
 
 
 def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, env: Optional[dict] = None,
-             wall: Optional[dict] = None, gpu: Optional[dict] = None, global_batch: Optional[int] = None) -> Diagnosis:
+             wall: Optional[dict] = None, gpu: Optional[dict] = None, global_batch: Optional[int] = None,
+             mesh_comm: Optional[list] = None) -> Diagnosis:
     """`env`: {"device": "cuda"|"cpu", "backend": "nccl"|"gloo", "bf16": bool} (what the run could use);
-    `wall`: the whole-run time accounting; `gpu`: {"busy_percent": mean NVML utilisation over ranks}."""
+    `wall`: the whole-run time accounting; `gpu`: {"busy_percent": mean NVML utilisation over ranks};
+    `mesh_comm`: every rank's communication per mesh dimension (`evidence.Evidence.mesh_comm`)."""
     env = _env(recipe, env)
     wall_rows, wall_evidence, wall_tips, wall_facts = _wall(recipe, wall or {})
     ranks = [r for r in per_rank if r.get("steps")]
@@ -165,7 +175,8 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
     dp = recipe.parallel_dims(max(1, len(per_rank))).dp  # per_rank: one report per rank of the world
     batch = global_batch or recipe.global_batch_at(dp)
     busy = (gpu or {}).get("busy_percent")
-    facts = {"step_ms": step * 1000, "data_wait_share": data_share, **wall_facts}
+    mesh = mesh_comm_figures.summarize(mesh_comm, step)
+    facts = {"step_ms": step * 1000, "data_wait_share": data_share, **wall_facts, **mesh.facts}
     for key in ("forward", "backward", "optimizer"):
         value = _mean(ranks, key)
         if value is not None:
@@ -181,8 +192,9 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
         evidence.append(f"gradient communication in flight {comm / step:.0%} of the step ({comm * 1000:.1f} ms)")
         evidence.append(f"exposed communication (the step waits for it after backward compute is done; the rest "
                         f"overlaps backward) {comm_share:.0%} of the step ({exposed * 1000:.1f} ms)")
-    else:
+    elif not mesh.evidence:
         evidence.append("communication not measured (add the `breakdown` monitor to measure it)")
+    evidence += mesh.evidence
     if busy is not None:
         evidence.append(f"GPU busy {busy:.0f}% of the time (NVML utilisation, mean over ranks and samples)")
     evidence += wall_evidence
@@ -213,7 +225,7 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
     if kind == "compute-bound":
         advice += compute_advice(recipe, env, busy, batch)
         headline += _elsewhere(advice, data_share, comm_share)
-    return Diagnosis(kind, headline, evidence, advice, table, wall=wall_rows, facts=facts)
+    return Diagnosis(kind, headline, evidence, advice, table, wall=wall_rows, mesh=mesh.table, facts=facts)
 
 
 def _elsewhere(advice: list[Advice], data_share: float, comm_share: float) -> str:

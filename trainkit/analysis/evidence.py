@@ -21,6 +21,9 @@ class Evidence:
     env: dict = field(default_factory=dict)  # {"device": "cuda"|"cpu", "backend": "nccl"|"gloo", "bf16": bool}
     wall: Optional[dict] = None  # whole-run time accounting (runtime.loop.WallTimes.as_dict())
     gpu: Optional[dict] = None  # {"busy_percent": mean NVML utilisation over ranks} (the gpu monitor)
+    # every rank's communication per mesh dimension, per step: [{dim: {"s", "bytes", "count", "untimed"}}]
+    # (the breakdown monitor with a device mesh: runtime.mesh_comm)
+    mesh_comm: Optional[list] = None
     global_batch: Optional[int] = None  # samples per optimizer step as the run measured them
     steps: Optional[int] = None
     world_size: Optional[int] = None

@@ -18,7 +18,9 @@ written by the caller) it checks:
    strict, into the plain model the recipe names.
 
 Rank 0 writes RUN_DIR/cell-result.json (losses of each pass, export outcome, or the error), then
-removes the run's checkpoints unless the list says `keep_checkpoints`. A
+removes the run's checkpoints unless the list says `keep_checkpoints`. With `reports` in the list,
+each training pass also writes the run's reports (reports/breakdown.json, bottleneck.md), as a
+launched worker does. A
 failing cell is recorded and the next one runs: the other ranks leave the failed collective at the
 recipe's launch.timeout_s at worst, and every rank meets again at the next cell's rendezvous.
 """
@@ -38,7 +40,7 @@ from ..run_dir import CHECKPOINTS, METRICS, RECIPE
 RESULT = "cell-result.json"
 
 
-def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = False) -> None:
+def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = False, reports: bool = False) -> None:
     import torch.distributed as dist
 
     for run_dir in run_dirs:
@@ -51,11 +53,11 @@ def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = Fa
                 result["refused"] = refusals
                 raise _Refused()
             try:
-                _check(run_dir, result, resume)
+                _check(run_dir, result, resume, reports)
             except Exception as exc:  # noqa: BLE001 -- once more from scratch, the first error kept
                 result["retried_after"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-500:]
                 _start_over(run_dir)
-                _check(run_dir, result, resume)
+                _check(run_dir, result, resume, reports)
         except _Refused:
             pass
         except BaseException as exc:  # noqa: BLE001 -- recorded, and the next cell runs
@@ -87,26 +89,29 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _train(run_dir: Path) -> dict[int, float]:
+def _train(run_dir: Path, reports: bool = False) -> dict[int, float]:
     import torch.distributed as dist
 
     from ..recipe import resolve
+    from .reports import write_reports
     from .worker import train
 
     resolved = resolve(run_dir / RECIPE)
     dist.barrier()  # rank 0 has set the checkpoints up for this pass
-    train(run_dir, resolved.recipe, resolved.redacted(), _device())
+    summary = train(run_dir, resolved.recipe, resolved.redacted(), _device())
     if _rank() != 0:
         return {}
+    if reports:
+        write_reports(run_dir, resolved.recipe, summary)
     rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _check(run_dir: Path, result: dict, resume: bool) -> None:
-    result["losses"] = _train(run_dir)
+def _check(run_dir: Path, result: dict, resume: bool, reports: bool = False) -> None:
+    result["losses"] = _train(run_dir, reports)
     if resume:
         result["resumed_from"] = _drop_last_checkpoint(run_dir) if _rank() == 0 else None
-        result["resumed_losses"] = _train(run_dir)
+        result["resumed_losses"] = _train(run_dir, reports)
         result["export"] = _export(run_dir) if _rank() == 0 else None
 
 
@@ -177,7 +182,7 @@ def main(argv: list[str]) -> int:
     init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=120))
     try:
         run_cells([Path(p) for p in spec["run_dirs"]], resume=spec.get("resume", True),
-                  keep_checkpoints=spec.get("keep_checkpoints", False))
+                  keep_checkpoints=spec.get("keep_checkpoints", False), reports=spec.get("reports", False))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..analysis import evidence
 from ..analysis.bottleneck import diagnose_run
 from ..recipe.schema import Recipe
-from ..run_dir import BOTTLENECK, GPU, REPORTS, VERDICT, read_json, summary_path, write_json
+from ..run_dir import BOTTLENECK, GPU, MESH_COMM, REPORTS, VERDICT, read_json, summary_path, write_json
 
 
 def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
@@ -33,10 +33,13 @@ def write_reports(run_dir: Path, recipe: Recipe, summary: dict) -> str:
         summary["wall_times"] = wall
     gpu_file = reports / GPU  # the gpu monitor's utilisation over the run
     gpu = read_json(gpu_file) if gpu_file.is_file() else None
+    mesh_file = reports / MESH_COMM  # the breakdown monitor's communication per mesh dimension
+    mesh_comm = read_json(mesh_file)["per_rank"] if mesh_file.is_file() else None
     env = evidence.describe_env(summary.pop("device", "cpu"), dist.get_backend() if dist.is_initialized() else None)
     evidence.write(run_dir, evidence.Evidence(
-        per_rank=summary.pop("per_rank_times"), env=env, wall=wall, gpu=gpu, global_batch=summary.get("global_batch"),
-        steps=summary["steps"], world_size=summary["world_size"], name=recipe.name))
+        per_rank=summary.pop("per_rank_times"), env=env, wall=wall, gpu=gpu, mesh_comm=mesh_comm,
+        global_batch=summary.get("global_batch"), steps=summary["steps"], world_size=summary["world_size"],
+        name=recipe.name))
     diagnosis = diagnose_run(run_dir, recipe)  # from the files, as `trainkit report` and `trainkit tune` read them
     sections = summary.pop("report_sections", [])
     (reports / BOTTLENECK).write_text(diagnosis.markdown(recipe.name) + "".join("\n" + s for s in sections))
