@@ -100,6 +100,8 @@ def state_bytes(strategy, model, optimizer) -> int:
     for group in optimizer.param_groups:
         for p in group["params"]:
             add(p)
+    for master in getattr(getattr(model, "optimizer", None), "fp32_partitioned_groups_flat", []):
+        add(master)  # ZeRO-3's fp32 master partition: its optimizer's parameters only during its step
     for st in optimizer.state.values():
         for v in st.values():
             add(v)

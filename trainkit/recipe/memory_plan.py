@@ -162,7 +162,7 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         Part("gradients", P * stored // L.gradients, offloaded_state,
              f"{P:,} x {stored} B / {L.gradients}"),
     ]
-    if L.master_copy:
+    if L.master_copy and (stored != FP32 or L.master_copy_in_fp32):
         parts.append(Part("fp32 master weights", P * FP32 // L.optimizer, offloaded_state,
                           f"{P:,} x 4 B / {L.optimizer} (the optimizer's own fp32 copy)"))
     if s.optimizer_tensors:

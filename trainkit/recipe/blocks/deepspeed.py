@@ -25,7 +25,7 @@ OWNED_BY_THE_RECIPE = {
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
 ZERO3_BUFFER_NUMEL = 5_000_000  # trainkit's ZeRO-3 buckets and live parameters (the component's ds_config)
-DEEPSPEED_RUNTIME = 130 << 20  # importing DeepSpeed adds this to a rank's process (measured, docs/memory.md)
+DEEPSPEED_RUNTIME = 20 << 20  # importing DeepSpeed (without MLflow) adds this to a rank's process (measured, docs/memory.md)
 
 
 class DeepSpeedOptions(StrategyOptions):
@@ -62,11 +62,13 @@ class DeepSpeedOptions(StrategyOptions):
         # master copy of it), 2 also the gradients, 3 also the parameters, gathered per module. DeepSpeed
         # casts the module to bf16/fp16; gradients go through its reduce bucket (reduce_bucket_size).
         n, stage = world_size, self.zero_stage
+        offloads = self.offload_optimizer != "none" or self.offload_param != "none"
         zero = self.config.get("zero_optimization", {}) if isinstance(self.config.get("zero_optimization"), dict) else {}
         bucket = int(zero.get("reduce_bucket_size", ZERO3_BUFFER_NUMEL if stage == 3 else DEEPSPEED_REDUCE_BUCKET))
         return MemoryLayout(optimizer=n if stage >= 1 else 1, gradients=n if stage >= 2 else 1,
                             parameters=n if stage == 3 else 1, gathers_units=stage == 3,
                             low_precision_parameters=True, master_copy=stage >= 1,
+                            master_copy_in_fp32=stage != 3 or offloads,  # strategies/deepspeed_master.py
                             gradient_bucket_elements=bucket if stage >= 2 else 0,
                             offload_parameters=self.offload_param != "none",
                             offload_optimizer=self.offload_optimizer != "none", runtime_bytes=DEEPSPEED_RUNTIME)

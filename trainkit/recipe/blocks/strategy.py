@@ -107,7 +107,9 @@ class MemoryLayout:
         gradient_as_bucket_view: all of them; ZeRO: its reduce bucket), counted up to the model's size.
     low_precision_parameters: parameters and gradients are kept in the training precision (bf16/fp16)
         beside an fp32 master copy (DeepSpeed); otherwise they stay fp32 and autocast casts.
-    master_copy: the optimizer keeps its own fp32 copy of its partition (DeepSpeed, even in fp32).
+    master_copy: the optimizer keeps its own fp32 copy of its partition (DeepSpeed).
+    master_copy_in_fp32: that copy is kept when the parameters are fp32 too (False: the optimizer steps
+        the fp32 parameter partition itself, as trainkit has ZeRO-3 do without offload).
     offload_parameters / offload_optimizer: kept in host memory instead of the device's.
     builds_whole_model: every rank builds the whole model before keeping its part (the pipeline's
         stages): host memory the process has held once, and on the CPU still holds (a retaining host
@@ -123,6 +125,7 @@ class MemoryLayout:
     gradient_bucket_elements: int = 0
     low_precision_parameters: bool = False
     master_copy: bool = False
+    master_copy_in_fp32: bool = True
     offload_parameters: bool = False
     offload_optimizer: bool = False
     builds_whole_model: bool = False
