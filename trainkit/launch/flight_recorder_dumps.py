@@ -178,6 +178,8 @@ def report_lines(dumps: Dumps, analysis: str, run_dir: Path) -> list[str]:
         lines += ["", f"The backend's own record of ranks {', '.join(map(str, dumps.native))}: "
                       f"`reports/{NCCL_TRACE}<R>` (the same analysis reads them)."]
     shown = _collapsed(analysis.splitlines())
+    if not shown:  # no rank could answer: nothing to analyse
+        return lines
     lines += ["", *[f"- {line}" for line in verdicts(analysis)]] if verdicts(analysis) else []
     lines += ["", "```", *shown[:ANALYSIS_LINES],
               *([f"... ({len(shown) - ANALYSIS_LINES} more lines in {folder}/{ANALYSIS})"]
