@@ -255,10 +255,13 @@ def check_communication_per_dimension(runs: Path) -> None:
     its tensor-parallel layers' collectives on "tp" and FSDP's all-gathers and reduce-scatters on
     "dp_shard"; HSDP 2x2 has "dp_shard" and the replicas' all-reduce on "dp_replicate", and nothing on
     "tp" (it has no tensor parallel): the figures follow the mesh. They are logged at each log step,
-    and `trainkit report` shows them per dimension and names the costliest."""
+    and `trainkit report` shows them per dimension and names the costliest. DDP's gradient columns
+    stay unmeasured under FSDP (they read 0 ms before)."""
     from run_helpers import trainkit
 
     fsdp_tp, hsdp = _mesh_comm(runs, "fsdp-tp-2x2"), _mesh_comm(runs, "hsdp-2x2")
+    phases = json.loads((runs / "fsdp-tp-2x2" / "reports" / "breakdown.json").read_text())["per_rank"]
+    assert all("comm" not in r for r in phases), phases  # DDP's gradient timer has nothing to time: not 0 ms
     assert len(fsdp_tp) == len(hsdp) == 4, (fsdp_tp, hsdp)
     for dims in fsdp_tp:
         for dim in ("tp", "dp_shard"):

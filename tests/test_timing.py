@@ -49,6 +49,8 @@ class FakeStrategy:
 
     def __init__(self, comm_timer=None):
         self.comm_timer = comm_timer
+        if comm_timer is not None:
+            comm_timer.bound = True  # as DDP's bind() when it registers its hook (the fake keeps its events)
 
     def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
         model(x)

@@ -195,7 +195,7 @@ class Loop:
         optimizer = clock.phase()
         optimizer.add(o0, clock.mark())
         timer = self.strategy.comm_timer
-        comm = timer.take() if timer is not None else None
+        comm = timer.take() if timer is not None and timer.bound else None  # FSDP & co.: not 0, unmeasured
         times = StepTimes(data_wait=data_wait, compute=compute, optimizer=optimizer,
                           total=time.perf_counter() - t_start, forward=forward,
                           comm=comm.in_flight if comm else None, comm_exposed=comm.exposed if comm else None)

@@ -181,10 +181,12 @@ class CommTimer:
         self._lock = threading.Lock()
         self._marks: list[tuple[Any, Any]] = []
         self.source = source if source is not None else HostTime()
+        self.bound = False  # a strategy times its collectives here (DDP); others leave comm unmeasured
 
     def bind(self, device: torch.device) -> None:
         """Time on `device`: CUDA events on a GPU (the strategy calls this when it registers the hook)."""
         self.source = time_source(device)
+        self.bound = True
 
     def add(self, start, end) -> None:
         with self._lock:
