@@ -118,6 +118,8 @@ def test_a_rank_sleeping_in_backward_is_named_and_the_same_hang_twice_stops_rest
             f"(input sizes [[7556]])") in section, section
     assert f"Not all ranks joining collective, sequence number: {last['collective_seq_id']}" in section, section
     assert "has errors" not in section, section  # every collective before it matched on both ranks
+    assert (f"trainkit: Flight Recorder: ranks {{1}} did not join gloo:all_reduce #{last['collective_seq_id']} "
+            f"of group 0:default_pg") in result.stderr, result.output  # on the console too
     assert "restart 1: rank 1 hung at step 6, backward" in result.stderr, result.output
     assert "the same hang as the previous attempt" in result.stderr and "not restarting" in result.stderr, \
         result.output
@@ -155,6 +157,7 @@ def test_a_rank_whose_loader_worker_is_stuck_is_named_as_waiting_for_its_data(tm
     assert "fault_injection.py" in worker_section and "_worker_loop" in worker_section, worker_section
     section, _ = _flight_recorder(run_dir)  # rank 0 went on to the gradient all-reduce of step 6 without it
     assert "- ranks {1} did not join gloo:all_reduce #" in section and "(input sizes [[7556]])" in section, section
+    assert "  Flight Recorder: ranks {1} did not join gloo:all_reduce #" in result.stderr, result.output  # the summary
     assert "rank 1 (pid" in result.stderr and "hung at step 6, data" in result.stderr, result.output
     assert not _left_running(tmp_path)
     assert newest_valid(run_dir / "checkpoints", warn=False).name == "step-00000004"

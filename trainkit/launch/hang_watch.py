@@ -104,6 +104,7 @@ class Hang:
     timeout_s: float
     repeated: bool = False
     report: Optional[Path] = None
+    collectives: list[str] = field(default_factory=list)  # the Flight Recorder analysis's verdict lines
 
     def key(self) -> tuple:
         return self.behind.number, self.behind.record["step"], self.behind.record["phase"]
@@ -120,6 +121,7 @@ class Hang:
             f"(pid {self.behind.record['pid']}) hung at {self.behind.where}",
             f"  {self.summary()}",
             *([f"  waiting for it: {others}"] if others else []),
+            *[f"  Flight Recorder: {line}" for line in self.collectives],
             f"  report with every rank's stacks: {self.report}"])
 
 
@@ -225,8 +227,11 @@ class HangWatch:
         hang = Hang(ranks, behind, why, silent_s, timeout_s)
         hang.repeated = hang.key() == self.previous
         self.previous = hang.key()
-        hang.report = _write_report(self.run_dir, hang, self._flight_recorder(ranks))
-        print(f"trainkit: {hang.summary()}; report: {hang.report}", file=sys.stderr, flush=True)
+        section, hang.collectives = self._flight_recorder(ranks)
+        hang.report = _write_report(self.run_dir, hang, section)
+        print("\n".join([f"trainkit: {hang.summary()}; report: {hang.report}",
+                         *[f"trainkit: Flight Recorder: {line}" for line in hang.collectives]]),
+              file=sys.stderr, flush=True)
         if hang.repeated:  # stops torchrun's restarts (launch.failures.RestartAnnouncer reads the marker)
             write_fatal(self.run_dir, HangError(f"{hang.summary()}, the same hang as the previous attempt "
                                                 f"(report: {hang.report})"))
@@ -236,14 +241,17 @@ class HangWatch:
             _signal(int(rank.record["pid"]), signal.SIGKILL)
 
 
-    def _flight_recorder(self, ranks: list[Rank]) -> list[str]:
-        """hang.md's Flight Recorder section (a failure there must not cost the rest of the report)."""
+    def _flight_recorder(self, ranks: list[Rank]) -> tuple[list[str], list[str]]:
+        """hang.md's Flight Recorder section and the analysis's verdict lines (a failure there must not
+        cost the rest of the report)."""
         try:
             dumps = flight_recorder_dumps.collect(self.run_dir, self.sockets, {
                 r.number: f"its process is stopped (State {r.state})" if r.stopped else "" for r in ranks}, self.backend)
-            return flight_recorder_dumps.report_lines(dumps, flight_recorder_dumps.analyse(dumps), self.run_dir)
+            analysis = flight_recorder_dumps.analyse(dumps)
+            return (flight_recorder_dumps.report_lines(dumps, analysis, self.run_dir),
+                    flight_recorder_dumps.verdicts(analysis))
         except Exception as exc:
-            return ["", "## Flight Recorder", "", f"Not collected: {type(exc).__name__}: {exc}"]
+            return ["", "## Flight Recorder", "", f"Not collected: {type(exc).__name__}: {exc}"], []
 
 
 class HangError(RuntimeError):
