@@ -30,6 +30,7 @@ import torch
 from .timing import comm_seconds, time_source
 
 HOOK_ID = 0x6D657368  # "mesh": this module's hooks among other hooks on the same groups (Flight Recorder)
+SETTLE_S = 0.5  # at most this long at a step's end for the completion records of its last collectives
 
 
 def mesh_groups(mesh) -> dict[str, Any]:
@@ -56,7 +57,10 @@ class MeshCommTimer:
 
     def __init__(self, groups: dict[str, Any], device: torch.device):
         self.source = time_source(device)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._open = 0  # collectives issued whose completion is not recorded yet
+        # CUDA futures run their callbacks when the collective is queued: nothing to wait for there
+        self.settle_s = 0.0 if self.source.deferred else SETTLE_S
         self._spans: dict[str, list] = defaultdict(list)
         self._bytes: dict[str, int] = defaultdict(int)
         self._count: dict[str, int] = defaultdict(int)
@@ -73,6 +77,7 @@ class MeshCommTimer:
         def pre(args) -> None:
             started[args.op_id] = self.source.mark()
             with self._lock:
+                self._open += 1
                 self._count[dim] += 1
                 self._bytes[dim] += _nbytes(args.input_tensors)
         return pre
@@ -80,7 +85,10 @@ class MeshCommTimer:
     def _post(self, dim: str, started: dict):
         def post(args) -> None:
             start = started.pop(args.op_id, None)
-            if start is None or args.work is None:
+            if start is None:  # issued before the hooks were registered
+                return
+            if args.work is None:
+                self._close_one()
                 return
             try:
                 future = args.work.get_future()
@@ -97,6 +105,7 @@ class MeshCommTimer:
         if self.source.deferred:
             with self._lock:
                 self._untimed[dim] += 1
+            self._close_one()
             return
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._wait_each, name="trainkit-mesh-comm", daemon=True)
@@ -112,17 +121,31 @@ class MeshCommTimer:
             try:
                 work.wait()
             except Exception:  # noqa: BLE001 -- the caller sees the failure; a timing is just lost
+                self._close_one()
                 continue
             self._add(dim, start, self.source.mark())
 
     def _add(self, dim: str, start, end) -> None:
         with self._lock:
             self._spans[dim].append((start, end))
+        self._close_one()
+
+    def _close_one(self) -> None:
+        with self._lock:
+            self._open -= 1
+            self._lock.notify_all()
 
     def take(self) -> "MeshCommStep":
         """The collectives since the last call, per dimension (lazy: nothing is synchronized here).
-        A collective still in flight at the call counts in the next one."""
+        A step has waited for its collectives when it ends, but their completion is recorded by
+        another thread (the future's callback, the waiting thread), which needs the GIL: wait up to
+        `settle_s` for those records, so that a step's last collectives are not counted in the next
+        window (or dropped with the time between steps). If that wait ever times out, something
+        stays in flight across steps, and later calls do not wait: it counts when it completes."""
         with self._lock:
+            if self._open > 0 and self.settle_s > 0 and not self._lock.wait_for(lambda: self._open <= 0,
+                                                                              timeout=self.settle_s):
+                self.settle_s = 0.0
             step = MeshCommStep(self.source, dict(self._spans), dict(self._bytes), dict(self._count),
                                 dict(self._untimed))
             self._spans, self._bytes = defaultdict(list), defaultdict(int)
