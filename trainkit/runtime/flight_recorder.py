@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 SOCKETS_ENV = "TRAINKIT_FLIGHT_RECORDER_DIR"  # set by the launcher's hang watch: the rank's sockets go there
@@ -55,7 +56,8 @@ def start(rank: int) -> None:
     path = socket_path(Path(directory), rank)
     path.unlink(missing_ok=True)  # a previous attempt's rank (restarts reuse the launch's directory)
     try:
-        _server = _WorkerServer(str(path))
+        with _without_stderr():
+            _server = _WorkerServer(str(path))
     except RuntimeError as exc:  # the record still helps a dump on timeout; the report says no answer
         print(f"trainkit: warning: rank {dist.get_rank()}: flight recorder server: {exc}", file=sys.stderr)
 
@@ -67,3 +69,17 @@ def _attach(group) -> None:
         _hooks.append(FlightRecorderHook.attach(group))
     except (RuntimeError, TypeError) as exc:  # e.g. a group this rank is not a member of
         print(f"trainkit: warning: flight recorder not attached to a process group: {exc}", file=sys.stderr)
+
+
+@contextmanager
+def _without_stderr():
+    """File descriptor 2 to /dev/null for a moment: the server's constructor logs a C++ warning
+    ("Server listening to UNIX ...") that every rank 0 would print on the console of every launch."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
