@@ -32,6 +32,7 @@ DCP's (they load on another mesh).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Iterator
 
@@ -266,8 +267,6 @@ class PipelineStrategy(Strategy):
 
     def _autocast(self, precision):
         """Autocast, except on sharded stages: there FSDP's MixedPrecisionPolicy casts (as in the FSDP strategy)."""
-        import contextlib
-
         return contextlib.nullcontext() if self.sharded else precision.autocast()
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -342,7 +341,7 @@ class PipelineStrategy(Strategy):
     def local_tensors(self, model: nn.Module) -> Iterator[torch.Tensor]:
         """What this rank holds: its stages' parameters; of sharded stages, its own pieces (`to_local()`)."""
         for p in model.parameters():
-            yield p.to_local().detach() if self.sharded else p.detach()
+            yield p.to_local().detach() if hasattr(p, "to_local") else p.detach()
 
     def replica_digests(self, model: nn.Module) -> list[str]:
         """Each rank's digest of the stages it owns (stage index, names and bytes). Every stage has
