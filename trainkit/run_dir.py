@@ -61,6 +61,8 @@ LOADER_STACKS = "stacks-rank{rank}-loader-{pid}.txt"  # a rank's DataLoader work
 HANG = "hang.md"  # RUN_DIR/reports/: which rank was behind, where each rank was, their stacks
 NCCL_TRACE = "nccl-trace-rank"  # RUN_DIR/reports/ prefix of NCCL's Flight Recorder dumps (rank appended)
 FLIGHT_RECORDER = "flight-recorder"  # RUN_DIR/reports/ folder of every rank's Flight Recorder dump at a hang
+FLIGHT_RECORDER_DUMP = "rank"  # ... each dump's name: this prefix, then the rank (fr_trace's `-p` prefix)
+FLIGHT_RECORDER_ANALYSIS = "analysis.txt"  # ... torch's fr_trace's output on them
 
 WARMUP_STEPS = 2  # the first steps of a launch pay for allocation, autotuning and worker start-up: no
 #                   step statistics (metrics.jsonl's step_time_s, the report's medians) before step 3
@@ -93,7 +95,8 @@ LAYOUT = (
     (f"{LIVE}/progress-rank<R>.json, {LIVE}/stacks-rank<R>.txt, {LIVE}/stacks-rank<R>-loader-<pid>.txt",
      "each rank's step and phase (the hang watch reads it) and its stacks, and its DataLoader workers', when a "
      "hang was declared"),
-    (f"{REPORTS}/{HANG}, {REPORTS}/{FLIGHT_RECORDER}/rank<R>, {REPORTS}/{NCCL_TRACE}<R>",
+    (f"{REPORTS}/{HANG}, {REPORTS}/{FLIGHT_RECORDER}/{FLIGHT_RECORDER_DUMP}<R>, "
+     f"{REPORTS}/{FLIGHT_RECORDER}/{FLIGHT_RECORDER_ANALYSIS}, {REPORTS}/{NCCL_TRACE}<R>",
      "the hang report (docs/running.md, 'When a run hangs'); each rank's Flight Recorder dump at the hang and "
      "torch's analysis of them; NCCL's own Flight Recorder dumps"),
     (f"{TRACKING}/", "the MLflow spool: what is still to be delivered"),

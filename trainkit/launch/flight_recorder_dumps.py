@@ -32,23 +32,21 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..run_dir import FLIGHT_RECORDER, NCCL_TRACE, report_path
+from ..run_dir import FLIGHT_RECORDER, FLIGHT_RECORDER_ANALYSIS, FLIGHT_RECORDER_DUMP, NCCL_TRACE, report_path
 from ..runtime.flight_recorder import SOCKETS_ENV, socket_path
 
 HOOK = "c10d"  # the hook's records: "c10d:<op>"
-DUMP_PREFIX = "rank"  # RUN_DIR/reports/flight-recorder/rank<R>: fr_trace's `-p` prefix, then the rank
+DUMP_PREFIX = FLIGHT_RECORDER_DUMP  # RUN_DIR/reports/flight-recorder/rank<R>: fr_trace's `-p` prefix
 FETCH_TIMEOUT_S = 5.0
 ANALYSIS_TIMEOUT_S = 60.0
 ANALYSIS_LINES = 60  # of fr_trace's output in hang.md (all of it in flight-recorder/analysis.txt)
-ANALYSIS = "analysis.txt"
+ANALYSIS = FLIGHT_RECORDER_ANALYSIS
 # the hook's op names -> the analysis's (torch.distributed.flight_recorder.components.types.COLLECTIVES)
 OP_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all",
             "allreduce_coalesced": "allreduce_coalesced", "reduce_scatter": "reduce_scatter",
             "broadcast": "broadcast", "barrier": "barrier", "reduce": "reduce", "gather": "gather",
             "scatter": "scatter"}
 IN_PLACE = {"all_reduce", "allreduce_coalesced", "broadcast", "reduce"}  # the result overwrites the input
-
-
 SOCKET_PATH_MAX = 100  # a Unix socket's path holds at most 107 bytes; "/trainkit-fr-XXXXXXXX/rank<R>.sock" follows
 
 
