@@ -1,25 +1,25 @@
 """No rank ever holds the whole model under FSDP or ZeRO-3 (issue 28): over a whole `trainkit run`
--- build, steps, the weights check and save of a checkpoint, a resume, the end-of-run replica check --
-each worker's resident high-water mark (VmHWM, tests/fault_injection.py TRAINKIT_FAULT_PROBE_MEMORY)
-is read as the worker exits, against its baseline before the model (the libraries imported).
-
-The bound, for both: the whole-life peak above the baseline stays below a DDP rank's full training
-state (4 x the parameters: fp32 parameters, gradients, two AdamW moments), at 2 ranks.
-- FSDP, a 19 M-parameter MLP (72 MiB): also, everything after the second step (a third step, the
-  checkpoint at step 3 with its weights check, the end-of-run replica check) adds less than half the
-  model's parameters to the peak: a gathered model would add all of it. The previous end-of-run check
-  (every `full_tensor()` kept, shards pickled to rank 0) added two copies.
-- ZeRO-3, a 31.5 M-parameter MLP (120 MiB), measured in workers that resume from a checkpoint after a
-  restart: its fixed buffers (5M-element buckets, the engine: ~200 MiB per rank) would hide what
-  scales with the model on a smaller one. DeepSpeed's fp32 master copy of each rank's partition put it
-  over the bound (507 MiB against 481; now 447), and a whole-model gather at the end of the run
-  (before: `GatheredParameters` + clone in the weights and replica checks) would too.
+-- build, steps, the weights check and save of a checkpoint, the end-of-run replica check -- each
+worker's resident high-water mark (VmHWM, tests/fault_injection.py TRAINKIT_FAULT_PROBE_MEMORY) is
+read after the second optimizer step (build, setup, the optimizer's state filled in) and as the
+worker exits, against its baseline before the model (the libraries imported). 2 ranks, fp32, AdamW.
+Two bounds, for both strategies:
+- everything after the second step (a third step, the checkpoint at step 3 with its weights check,
+  the end-of-run replica check) adds less than half the model's parameters to the peak: a gathered
+  model would add all of it. The previous end-of-run checks (FSDP: every `full_tensor()` kept, shards
+  pickled to rank 0; ZeRO-3: `GatheredParameters` over the whole model, cloned, also before every
+  checkpoint) added two copies.
+- the whole-life peak above the baseline stays below a DDP rank's full training state (4 x the
+  parameters: parameters, gradients, two AdamW moments).
+FSDP runs a 19 M-parameter MLP (72 MiB). ZeRO-3 runs a 31.5 M-parameter one (120 MiB): at 19 M its
+fixed ~200 MiB per rank (5M-element buckets, the engine) would hide what scales with the model.
+DeepSpeed's fp32 master copy of each rank's partition, which trainkit now shares with the parameter
+partition (strategies/deepspeed_master.py), put ZeRO-3 over the second bound.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -46,25 +46,25 @@ def ext(request, tmp_path_factory) -> dict:
     return deepspeed_env(request, tmp_path_factory)
 
 
-def recipe(tmp, strategy: dict, hidden: int, depth: int, max_steps: int = STEPS, every: int = STEPS, **sections):
+def recipe(tmp, strategy: dict, hidden: int, depth: int):
     return write_recipe(tmp, "big", SEEDED_MLP, strategy=strategy,
                         model={"args": {"in_features": IN, "hidden": hidden, "num_classes": CLASSES, "depth": depth},
                                "init": "auto"},
                         data={"shape": [IN], "num_classes": CLASSES, "num_samples": 64, "batch_size": 4},
                         optimizer={"name": "adamw", "lr": 1e-4},
-                        trainer={"max_steps": max_steps, "log_every": 1, "checkpoint": {"every": every}}, **sections)
+                        trainer={"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": STEPS}})
 
 
 def peaks_of_a_run(tmp, path, env: dict) -> list[dict]:
-    """A 2-rank `trainkit run` (checkpoints, the end-of-run checks): each worker's baseline and
-    whole-life peak."""
+    """A 2-rank `trainkit run` (a checkpoint at step 3, the end-of-run checks): each worker's baseline
+    and whole-life peak."""
     probe = tmp / "memory"
     probe.mkdir()
     result = trainkit(tmp, "run", str(path), TRAINKIT_FAULT_PROBE_MEMORY=str(probe), **env)
     assert result.returncode == 0, result.output[-4000:]
     s = summary(tmp / "runs" / "big")
     assert s["replicas_identical"] is True, s["replica_digests"]
-    assert sorted((tmp / "runs" / "big" / "checkpoints").glob("step-*"))
+    assert (tmp / "runs" / "big" / "checkpoints" / f"step-{STEPS:08d}").is_dir()
     return [json.loads((probe / f"memory-rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -94,14 +94,10 @@ def test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path):
     assert_below_a_full_copy(peaks, parameters(hidden, depth), "fsdp")
 
 
-def test_zero3_no_rank_holds_a_full_copy_over_a_resumed_run(tmp_path, ext):
-    """fp32, torch's AdamW, 31.5 M parameters (120 MiB). Rank 1 exits after the step-2 checkpoint; the
-    restarted workers -- the ones measured -- build the model, load their optimizer files, take steps
-    3-4, save at step 4 and run the end-of-run checks."""
+def test_zero3_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ext):
+    """fp32, torch's AdamW, 31.5 M parameters (120 MiB)."""
     hidden, depth = 3072, 4
     params = parameters(hidden, depth)
-    path = recipe(tmp_path, {"name": "deepspeed", "zero_stage": 3}, hidden, depth, max_steps=4, every=2,
-                  launch={"max_restarts": 1})
-    peaks = peaks_of_a_run(tmp_path, path, dict(ext, TRAINKIT_FAULT_INJECT="rank=1,step=2"))
-    assert Path(summary(tmp_path / "runs" / "big")["resumed_from"]).name == "step-00000002"
-    assert_below_a_full_copy(peaks, params, "zero3, resumed")
+    peaks = peaks_of_a_run(tmp_path, recipe(tmp_path, {"name": "deepspeed", "zero_stage": 3}, hidden, depth), ext)
+    assert_nothing_gathered_after_step_2(peaks, params)
+    assert_below_a_full_copy(peaks, params, "zero3")
