@@ -10,8 +10,9 @@ completion of its Work's future (a callback on the backend's thread); on CUDA bo
 on the streams involved (as `timing.CommTimer`'s), so the device's time is measured, resolved once
 per log interval.
 
-A Work without a future (gloo's reduce-scatter and point-to-point ops) is waited for by a thread of
-the timer, beside the caller, which waits for it too; on CUDA such a collective is counted with its
+A Work without a future (gloo's reduce-scatter and point-to-point ops) is waited for in the post-hook
+when its caller blocks on it anyway (async_op=False), else polled (`is_completed()`, every 0.5 ms
+while one is in flight) by a thread of the timer; on CUDA such an asynchronous one is counted with its
 bytes but not timed (`untimed`). The Python marks need the GIL, so on a CPU backend a completion is
 seen up to the interpreter's switch interval (5 ms) late when the training thread holds it. Whether
 a dimension's time overlapped compute (exposed vs in flight) is not measured: only DDP's buckets give
@@ -30,6 +31,7 @@ import torch
 from .timing import comm_seconds, time_source
 
 HOOK_ID = 0x6D657368  # "mesh": this module's hooks among other hooks on the same groups (Flight Recorder)
+POLL_S = 0.0005  # how often the timer looks at asynchronous collectives without a future (gloo's)
 SETTLE_S = 0.5  # at most this long at a step's end for the completion records of its last collectives
 
 
@@ -93,37 +95,54 @@ class MeshCommTimer:
             try:
                 future = args.work.get_future()
             except RuntimeError:  # gloo's reduce-scatter and send/recv: no completion callback
-                self._watch(dim, start, args.work)
+                if args.async_op:
+                    self._watch(dim, start, args.work)
+                else:  # a blocking call: its caller waits for it right after this hook, on this thread
+                    args.work.wait()
+                    self._add(dim, start, self.source.mark())
                 return
             future.then(lambda _: self._add(dim, start, self.source.mark()))
         return post
 
     def _watch(self, dim: str, start, work) -> None:
-        """A Work without a future: a thread of this timer waits for it (as the caller will) and marks
-        its completion; the caller's thread is not held up. Host time only: a CUDA mark taken on
-        another thread would be on the wrong stream, so such a collective stays untimed."""
+        """An asynchronous Work without a future: a thread of this timer polls `is_completed()` and
+        marks its completion. Not `wait()`: a second waiter on another thread would run the work's
+        own completion steps (a copy into the caller's output) a second time, perhaps after the
+        caller has moved on. Host time only: a CUDA mark taken on another thread would be on the
+        wrong stream, so on CUDA such a collective stays untimed."""
         if self.source.deferred:
             with self._lock:
                 self._untimed[dim] += 1
             self._close_one()
             return
         if self._watcher is None:
-            self._watcher = threading.Thread(target=self._wait_each, name="trainkit-mesh-comm", daemon=True)
+            self._watcher = threading.Thread(target=self._poll, name="trainkit-mesh-comm", daemon=True)
             self._watcher.start()
         self._waiting.put((dim, start, work))
 
-    def _wait_each(self) -> None:
+    def _poll(self) -> None:
+        pending: list = []
         while True:
-            item = self._waiting.get()
+            try:  # block while nothing is in flight; poll every POLL_S while something is
+                item = self._waiting.get(timeout=POLL_S) if pending else self._waiting.get()
+            except queue.Empty:
+                item = ()
             if item is None:
                 return
-            dim, start, work = item
-            try:
-                work.wait()
-            except Exception:  # noqa: BLE001 -- the caller sees the failure; a timing is just lost
-                self._close_one()
-                continue
-            self._add(dim, start, self.source.mark())
+            if item:
+                pending.append(item)
+            still = []
+            for dim, start, work in pending:
+                try:
+                    done = work.is_completed()
+                except Exception:  # noqa: BLE001 -- the caller sees the failure; a timing is just lost
+                    self._close_one()
+                    continue
+                if done:
+                    self._add(dim, start, self.source.mark())
+                else:
+                    still.append((dim, start, work))
+            pending = still
 
     def _add(self, dim: str, start, end) -> None:
         with self._lock:
