@@ -1,29 +1,31 @@
-"""Resuming a ZeRO checkpoint without a second copy of the rank's optimizer state in memory.
+"""Resuming a ZeRO checkpoint without holding the rank's optimizer file in memory beside its state.
 
 Why: DeepSpeed's `TorchCheckpointEngine.load` `torch.load`s this rank's whole optimizer file (its fp32
-partition and the AdamW moments) into memory, and only then copies the partition into its flat buffer
-and hands the moments to the optimizer in place of the ones it holds: at the resume a rank holds its
-optimizer state twice (+0.40 GiB per rank on the bench's 105 M-parameter model; docs/benchmarks.md,
+partition and the AdamW moments) into memory, then copies the partition into its flat buffer and
+hands the moments to the optimizer. Loaded into an optimizer that has its state already, that held
+the state twice (+0.40 GiB per rank on the bench's 105 M-parameter model); in a fresh process the
+file's fp32 partition still comes on top of everything the rank holds, and on larger models it made
+the load the run's peak (206 M parameters: 2.84 GiB against the steps' 2.62; docs/benchmarks.md,
 "No rank holds the whole model").
 
 `MappedCheckpointEngine` is DeepSpeed's own engine with one change: it loads memory-mapped
-(`torch.load(mmap=True)`, private to the process), so nothing is read until DeepSpeed touches it, and
-the old moments are freed when torch's `Optimizer.load_state_dict` replaces them with the mapped ones.
-File pages a process has touched count in its resident memory (VmRSS/VmHWM) as long as they stay
-mapped, so `settle` then moves the mapped optimizer state into the process's own memory one tensor at
-a time, dropping each tensor's pages from the mapping once copied (madvise MADV_DONTNEED: nothing in
-the mapping was written, so the file's contents are what a later touch would read again). The run
-keeps no reference to the checkpoint file: a later rotation or rewrite of it cannot reach the
-training state. Files saved without torch's zip format (DeepSpeed's `checkpoint_serialization: false`)
-cannot be mapped and load as before.
+(`torch.load(mmap=True)`, a private mapping), so nothing is read until DeepSpeed touches it, and an
+optimizer's old moments are freed when torch's `Optimizer.load_state_dict` replaces them with the
+mapped ones. Touched file pages count in a process's resident memory (VmRSS/VmHWM) while they stay
+mapped, so `settle` then drops the pages DeepSpeed read and moves the mapped optimizer state into the
+process's own memory one tensor at a time, dropping each one's pages once copied (madvise
+MADV_DONTNEED, only inside the file's own mapping as /proc/self/maps gives it; nothing wrote to it,
+so a later touch would read the file again). Nothing keeps the mapping afterwards: a later rotation
+of that checkpoint cannot reach the training state. Linux only; elsewhere, and for files not in
+torch's zip format (DeepSpeed's `checkpoint_serialization: false`), DeepSpeed's own loading.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
-from typing import Iterable
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -33,25 +35,33 @@ from .deepspeed_import import import_deepspeed
 MADV_DONTNEED = 4  # madvise(2), Linux
 
 
-def address_range(tensors: Iterable) -> tuple[int, int]:
-    """The span of memory the tensors' storages cover (one file is one mapping)."""
-    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-             for t in tensors if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()]
-    return (min(s for s, _ in spans), max(e for _, e in spans)) if spans else (0, 0)
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """The address ranges this process maps the file at `path` to (/proc/self/maps): the only memory
+    `settle` ever drops pages of."""
+    target = os.path.realpath(path)
+    ranges = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
 
 
 def drop_pages(start: int, end: int) -> None:
-    """Take the whole pages of [start, end) out of this process's resident set (Linux; elsewhere a no-op)."""
+    """Take the whole pages of [start, end), part of a private file mapping nothing wrote to, out of this
+    process's resident set: a later touch reads them from the file again."""
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page
-    if last > first and sys.platform.startswith("linux"):
+    if last > first:
         ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
                                                   MADV_DONTNEED)
 
 
-def within(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+def within(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     ptr = tensor.untyped_storage().data_ptr()
-    return any(start <= ptr < end for start, end in spans)
+    return tensor.device.type == "cpu" and any(start <= ptr < end for start, end in ranges)
 
 
 def load_mapped(engine) -> None:
@@ -78,26 +88,27 @@ def mapped_checkpoint_engine(config, TorchCheckpointEngine):
             super().__init__(config_params)
             # the tensors of each file loaded since the last settle: they keep its mapping (and so the
             # addresses `settle` drops pages of) alive until then
-            self.loaded: list[list[torch.Tensor]] = []
+            self.loaded: list[tuple[list[torch.Tensor], list[tuple[int, int]]]] = []
 
         def load(self, path: str, map_location=None):
-            if not _is_zip(path):
+            if not (sys.platform.startswith("linux") and _is_zip(path)):
                 return super().load(path, map_location=map_location)
             state = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
-            self.loaded.append([t for t in tree_leaves(state) if isinstance(t, torch.Tensor)])
+            self.loaded.append(([t for t in tree_leaves(state) if isinstance(t, torch.Tensor)], mapped_ranges(path)))
             return state
 
         def settle(self, optimizer: torch.optim.Optimizer) -> None:
             """After DeepSpeed's load: the optimizer's mapped state into the process's memory, one tensor's
             pages resident at a time; the pages DeepSpeed read (its fp32 partition) out of the resident set."""
-            spans = [address_range(tensors) for tensors in self.loaded]
-            for span in spans:
-                drop_pages(*span)
+            ranges = [r for _, file_ranges in self.loaded for r in file_ranges]
+            for start, end in ranges:
+                drop_pages(start, end)
             for state in optimizer.state.values():
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and within(value, spans):
+                    if isinstance(value, torch.Tensor) and within(value, ranges):
                         state[key] = value.clone()
-                        drop_pages(*address_range([value]))
+                        start = value.untyped_storage().data_ptr()
+                        drop_pages(start, start + value.untyped_storage().nbytes())
             self.loaded = []  # the mappings go with the last tensor of theirs
 
     return MappedCheckpointEngine(config)
