@@ -22,6 +22,7 @@ from typing import Optional
 from ..run_dir import WARMUP_STEPS
 from . import evidence as evidence_files
 from . import mesh_comm as mesh_comm_figures
+from .mesh_advice import mesh_advice
 from .advice import (COMMUNICATION, COMPUTE, DATA, GPU_IDLE, OVERHEAD, Advice, comm_advice, compute_advice,
                      data_advice, straggler_advice, wall_advice)
 from .evidence import Evidence, describe_env
@@ -222,6 +223,9 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
 
     advice += data_advice(recipe, env, data, data_share)
     advice += comm_advice(recipe, env, exposed, comm_share, batch, dp)
+    mesh_tips, withheld = mesh_advice(recipe, per_rank, mesh.facts, step)  # only where the matrix verifies
+    advice += mesh_tips
+    evidence += withheld
     if kind == "compute-bound":
         advice += compute_advice(recipe, env, busy, batch)
         headline += _elsewhere(advice, data_share, comm_share)
