@@ -93,6 +93,17 @@ KNOBS: list[Knob] = [
 ]
 
 
+def _advised_only(recipe: Recipe, facts: dict) -> list[Any]:
+    """Mesh degrees are tried at the value the bottleneck advice gives (with the keys it changes alongside),
+    which it proposes only where the compatibility matrix verifies the resulting mesh (analysis.mesh_advice)."""
+    return []
+
+
+# the mesh (issue 30): arms only from advice, e.g. {parallel.tp: 1, parallel.dp_shard: 2, data.batch_size: 2}
+MESH_KNOBS = [Knob(f"mesh_{dim}", f"parallel.{dim}", _advised_only) for dim in ("dp_replicate", "dp_shard", "tp")]
+OPTIONAL_BLOCKS = {"parallel"}  # blocks a recipe may leave out: an override creates them
+
+
 # performance options with their own row, used only when the installed schema has the field
 PERFORMANCE_ROWS = [
     Knob("compile", "performance.compile", lambda r, f: [True] if not r.performance.compile else []),
@@ -132,7 +143,7 @@ def strategy_knobs() -> list[Knob]:
 
 def all_knobs() -> dict[str, Knob]:
     """Every knob by name: the general table, the performance rows and the strategies' own."""
-    return {k.name: k for k in KNOBS + strategy_knobs() + performance_knobs()}
+    return {k.name: k for k in KNOBS + MESH_KNOBS + strategy_knobs() + performance_knobs()}
 
 
 def not_applicable(knob: Knob, recipe: Recipe, facts: dict) -> Optional[str]:
@@ -140,7 +151,8 @@ def not_applicable(knob: Knob, recipe: Recipe, facts: dict) -> Optional[str]:
     and to every plugin strategy that subclasses its options."""
     if knob.owner is not None and not isinstance(recipe.strategy, knob.owner):
         return f"only for strategy {knob.owner.plugin_name()} (this recipe: {recipe.strategy.name})"
-    if get(recipe, knob.path.rsplit(".", 1)[0] if "." in knob.path else "name") is None:
+    block = knob.path.rsplit(".", 1)[0] if "." in knob.path else "name"
+    if block not in OPTIONAL_BLOCKS and get(recipe, block) is None:
         return f"the recipe has no {knob.path}"
     return knob.applies(recipe, facts) if knob.applies else None
 

@@ -72,6 +72,8 @@ def named(recipe, names: list[str], allow: frozenset[str], facts: dict) -> Plan:
         knob = known[name]
         why = _why_not(knob, recipe, allow, facts)
         values = knob.values(recipe, facts) if why is None else []
+        if why is None and not values and knob in tune_knobs.MESH_KNOBS:
+            why = "tried only at the value the bottleneck advice proposes (a mesh the compatibility matrix verifies)"
         if why is None and not values:
             why = f"nothing to try: {knob.path} is already {tune_knobs.get(recipe, knob.path)}"
         if why:
@@ -107,6 +109,6 @@ def advised(recipe, diagnosis: Optional[Diagnosis], allow: frozenset[str], facts
             plan.skipped.append((knob.name, why))
             continue
         plan.arms.append(_arm(knob, recipe, value, advice.changes))
-    plan.unpointed = [name for name, knob in known.items()
-                      if knob.path not in proposed and tune_knobs.not_applicable(knob, recipe, facts) is None]
+    plan.unpointed = [name for name, knob in known.items() if knob.path not in proposed
+                      and knob not in tune_knobs.MESH_KNOBS and tune_knobs.not_applicable(knob, recipe, facts) is None]
     return plan
