@@ -84,3 +84,23 @@ def test_hsdp_advice_shape_where_the_matrix_verifies_it(tmp_path):
     assert advice.changes == {"parallel.dp_replicate": 2, "parallel.dp_shard": 4} and not withheld
     assert asked == [{"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}]
     assert "crosses nodes once per step" in advice.mechanism
+
+
+def test_a_recipe_that_does_not_fit_gets_verified_mesh_alternatives_with_figures(tmp_path, capsys):
+    """`trainkit plan` of a 3.2 B-parameter transformer under DDP on 4 ranks (traced on the meta device):
+    it will not fit, and among the changes is FSDP x tp 4 (the matrix's verified fsdp/transformer/fp32
+    tp cell) with its figure, the global batch kept by accumulation; tp 2 (dp_shard 2 x tp 2, a mesh no
+    cell verifies) is not offered."""
+    from trainkit.cli import main
+
+    path, _ = _recipe(tmp_path, Cell("ddp", "transformer", "fp32"), launch={"nproc_per_node": 4},
+                      model={"args": {"dim": 4096, "layers": 16, "heads": 4}})
+    assert main(["plan", str(path)]) == 0
+    plan = capsys.readouterr().out
+    assert "WILL NOT FIT" in plan, plan
+    predicted = float(plan.split("memory per rank: ")[1].split(" GiB")[0])
+    line = next(line for line in plan.splitlines() if "parallel.tp=4" in line)
+    assert "strategy.name=fsdp" in line and "parallel.dp_shard=1" in line and "trainer.grad_accum_steps=4" in line
+    assert float(line.split(": ")[1].split(" GiB")[0]) < predicted / 3, line  # each rank holds 1/4 of every layer
+    assert "fsdp__transformer__fp32__none__seeded__tp: verified" in line
+    assert "parallel.tp=2" not in plan and "dp_replicate=2" not in plan

@@ -12,6 +12,7 @@ from typing import Optional
 
 from ..recipe.launch_plan import run_dir_for
 from ..recipe.memory_plan import MemoryAdvice, MemoryPlan, fitting_changes, setting_of
+from ..recipe.memory_mesh import mesh_alternatives
 from ..recipe.memory_plan import plan as plan_memory
 from ..runtime import memory_limits
 from ..run_dir import CHECKPOINTS
@@ -228,7 +229,9 @@ def memory_verdict(recipe) -> Optional[MemoryVerdict]:
     else:
         budget = torch.cuda.get_device_properties(0).total_memory
         how = f"{human_bytes(budget)} on {torch.cuda.get_device_name(0)}"
-    return MemoryVerdict(planned, budget, how, fitting_changes(sizes, setting, budget))
+    advice = fitting_changes(sizes, setting, budget) + [  # mesh changes only where the matrix verifies them
+        a for a in mesh_alternatives(recipe, sizes, setting, budget) if a.plan.per_rank < planned.per_rank]
+    return MemoryVerdict(planned, budget, how, sorted(advice, key=lambda a: (not a.fits, a.plan.per_rank)))
 
 
 def memory(resolved) -> Optional[Check]:

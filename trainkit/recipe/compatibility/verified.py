@@ -149,9 +149,13 @@ def axes_of(recipe: Any) -> Optional[dict[str, str]]:
     return {**axes, "option": options[0] if options else "none"}
 
 
-def verdict_for(recipe: Any, degrees: dict[str, int], results: Optional[dict] = None) -> Verdict:
-    """The matrix's answer for `recipe` on a mesh of these degrees (the recipe's own axes, another mesh)."""
+def verdict_for(recipe: Any, degrees: dict[str, int], results: Optional[dict] = None, *,
+                strategy: Optional[str] = None) -> Verdict:
+    """The matrix's answer for `recipe` on a mesh of these degrees (the recipe's own axes, another mesh;
+    `strategy`: another grid strategy, e.g. the memory plan's FSDP alternative to a DDP recipe)."""
     axes = axes_of(recipe)
+    if axes is not None and strategy is not None:
+        axes = {**axes, "strategy": strategy}
     if axes is None:
         return Verdict(MISSING, "-", f"no grid cell has this recipe's strategy, model, precision, init and "
                                      f"options together (trainkit/recipe/compatibility/grid.py)")
