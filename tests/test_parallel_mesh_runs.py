@@ -7,6 +7,11 @@ Every run here reads the same global batch of 4 sequences per step, so each is h
 reference of its model. The runs are trained by `trainkit.runtime.cell_runner` in three launches for
 the whole module: one of 4 ranks (every 4-rank mesh, one after the other), one of 2 ranks beside it,
 then one plain process (the references, and the resumes of the 4- and 2-rank checkpoints on one rank).
+
+The 4-rank launch also trains the compatibility matrix's 2-D cells (HSDP and FSDP x TP, 2 x 2: the
+grid's own recipes, `CELLS`) and resumes each from its step-2 checkpoint; held to their references
+by the grid's checks, they are what records those cells as verified (TRAINKIT_GRID_RECORD=1), the
+verification the doctor and the bottleneck advice ask before they offer HSDP or FSDP x TP.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -24,8 +30,9 @@ import pytest
 import torch
 import yaml
 
-from grid_runs import RUNNER, _write_corpus
+from grid_runs import RUNNER, Outcome, _write_corpus, problems_of, record
 from run_helpers import env_for, free_port
+from trainkit.recipe.compatibility.grid import Cell, merge
 
 STEPS = 3  # checkpoints at steps 2 and 3: a resume on another mesh starts from step 2
 RTOL = 1e-5  # fp32: the same arithmetic split differently over the ranks (measured: see docs/strategies.md)
@@ -82,6 +89,23 @@ RESHARDS = {
     "hsdp-2x2-to-1": ("hsdp-2x2", _recipe(1, {"tp": 1}, 4)),  # 4 ranks -> 1, data-parallel 4 -> 1
 }
 
+# the matrix's 2-D cells, trained as the grid trains a cell (its recipe, its one-process reference)
+CELLS = {"cell-hsdp-2x2": Cell("fsdp", "transformer", "fp32", "none", "seeded", "dp_replicate-dp_shard"),
+         "cell-fsdp-tp-2x2": Cell("fsdp", "transformer", "fp32", "none", "seeded", "dp_shard-tp")}
+
+
+def _cell_runs(folder: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """({name: recipe} of the 4-rank launch: each cell, then the cell resumed from its step-2
+    checkpoint, as the cell runner's resume check; {name: recipe} of the one process: the references)."""
+    four, one = {}, {}
+    for name, cell in CELLS.items():
+        assert cell.world == 4, cell
+        step2 = folder / name / "checkpoints" / "step-00000002"
+        four[name] = cell.recipe()
+        four[f"{name}-resumed"] = merge(cell.recipe(), {"trainer": {"resume": str(step2)}})
+        one[f"{name}-reference"] = cell.reference()[0]
+    return four, one
+
 
 def _write_run(folder: Path, name: str, recipe: dict) -> Path:
     run_dir = folder / name
@@ -113,10 +137,13 @@ def train_mesh_runs(folder: Path, *, device_env: dict, side_by_side: bool) -> No
     then the one process (it resumes checkpoints of both). The GPU tier calls this too."""
     _write_corpus(folder)
     launches = {4: dict(RUNS_4), 2: dict(RUNS_2), 1: dict(RUNS_1)}
+    cells_four, cells_one = _cell_runs(folder)
     for name, (source, recipe) in RESHARDS.items():
         step2 = folder / source / "checkpoints" / "step-00000002"
         ranks = recipe["launch"]["nproc_per_node"]
         launches[ranks][name] = {**recipe, "trainer": {**recipe["trainer"], "resume": str(step2)}}
+    launches[4].update(cells_four)
+    launches[1].update(cells_one)
     dirs = {ranks: [_write_run(folder, name, r) for name, r in runs.items()] for ranks, runs in launches.items()}
     four = threading.Thread(target=_launch, args=(folder, 4, dirs[4], device_env))
     four.start()
@@ -281,6 +308,45 @@ def check_communication_per_dimension(runs: Path) -> None:
     assert f"communication per mesh dimension: {costliest} costs most" in report.stdout, report.stdout
 
 
+@pytest.mark.parametrize("name", list(CELLS))
+def test_the_2d_cell_follows_its_reference_resumes_and_exports(runs, name):
+    check_cell(runs, name)
+
+
+def cell_outcome(runs: Path, name: str) -> Outcome:
+    """The cell's run as the grid's cell runner reports one: its losses, those after the resume from
+    step 2 (steps 1-2 of the original timeline, then the resumed run's step 3), and the export of
+    the final checkpoint loaded strict into the plain model; beside its reference's losses."""
+    from trainkit.recipe import resolve
+    from trainkit.runtime.export import consolidated_state_dict
+    from trainkit.runtime.model import build_model
+
+    result = {"losses": _losses(runs, name)}
+    resumed = _losses(runs, f"{name}-resumed")
+    result["resumed_from"] = "step-00000002" if sorted(resumed) == [STEPS] else f"nothing (steps {sorted(resumed)})"
+    result["resumed_losses"] = {**{s: v for s, v in result["losses"].items() if s < STEPS}, **resumed}
+    final = runs / f"{name}-resumed" / "checkpoints" / f"step-{STEPS:08d}"
+    _, state = consolidated_state_dict(final)
+    model = build_model(resolve(runs / name / "recipe.yaml").recipe.model)
+    model.load_state_dict(state, strict=True)
+    finite = all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
+    result["export"] = {"checkpoint": final.name, "finite": bool(finite)}
+    return Outcome(CELLS[name], result, _result(runs, f"{name}-reference"))
+
+
+def check_cell(runs: Path, name: str, *, recording: bool = True) -> None:
+    """The compatibility matrix's 2-D cell (HSDP or FSDP x TP, 2 x 2) meets the grid's checks: each
+    step's loss within the fp32 tolerance of its one-process reference, the resume from step 2 redoing
+    step 3 exactly, the export loading strict; with TRAINKIT_GRID_RECORD=1 it is recorded verified on
+    CPU in docs/compatibility-results.json (what the mesh advice reads)."""
+    outcome = cell_outcome(runs, name)
+    problems = problems_of(outcome)
+    if recording and os.environ.get("TRAINKIT_GRID_RECORD") and not problems:
+        record([outcome], {}, kind="cpu", device=f"CPU ({platform.machine()}), gloo, {outcome.cell.world} processes",
+               command="TRAINKIT_GRID_RECORD=1 pytest tests/test_parallel_mesh_runs.py")
+    assert not problems, problems
+
+
 def check_all(runs: Path) -> None:
     """Every check of this module on every run (the GPU tier's one test)."""
     for name in [*RUNS_4, *RUNS_2]:
@@ -292,6 +358,8 @@ def check_all(runs: Path) -> None:
     for name in [*RUNS_4, *RUNS_2, *RESHARDS]:
         check_export(runs, name)
     check_communication_per_dimension(runs)
+    for name in CELLS:
+        check_cell(runs, name, recording=False)  # the CPU's record is the CPU test's
 
 
 def test_mfu_credits_each_tensor_parallel_rank_with_its_share(tmp_path):

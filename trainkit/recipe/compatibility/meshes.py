@@ -5,9 +5,10 @@ to its reference like every other cell) or refused by `trainkit validate`: tenso
 models that declare a plan and on those that do not (their model facts refuse it), on the strategies
 that lay ranks out on `tp` and on those that do not (`Capabilities.mesh_dims`), HSDP's replicate
 dimension, and the pipeline's stages written as a mesh. With the grid's 2 ranks a mesh has one
-dimension of 2: 2-D and HSDP 2 x 2 need 4 ranks and are tests/test_parallel_mesh_runs.py's. The
-3-D mesh (pipeline x FSDP x TP, 2 x 2 x 2) is a cell of its own world size, 8 ranks
-(`MESH_DEGREES`), trained by tests/test_pipeline_3d_runs.py instead of the grid's 2-rank launch.
+dimension of 2. The meshes of several dimensions are cells of their own world size (`MESH_DEGREES`),
+trained by their own tests instead of the grid's 2-rank launch: HSDP and FSDP x TP, 2 x 2 on 4 ranks,
+by tests/test_parallel_mesh_runs.py's 4-rank launch; the 3-D mesh (pipeline x FSDP x TP, 2 x 2 x 2)
+on 8 ranks by tests/test_pipeline_3d_runs.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ MESH_DIMENSION: dict[str, str] = {
 
 # meshes of several dimensions -> their degrees; the cell runs on their product of ranks
 MESH_DEGREES: dict[str, dict[str, int]] = {
+    "dp_replicate-dp_shard": {"dp_replicate": 2, "dp_shard": 2},  # HSDP: 2 replicas of a 2-rank shard group
+    "dp_shard-tp": {"dp_shard": 2, "tp": 2},  # 2-D: FSDP over 2 tensor-parallel groups of 2
     "pp-dp_shard-tp": {"pp": 2, "dp_shard": 2, "tp": 2},  # 3-D: sharded pipeline stages (issue 30)
 }
 
@@ -61,6 +64,9 @@ MESH_ROWS: list[tuple[str, str, str, str, str, str]] = [
     ("fsdp", "transformer", "fp16-dynamic", "none", "seeded", "tp"),
     ("fsdp+cpu_offload", "transformer", "fp32", "none", "seeded", "tp"),
     ("fsdp", "hf-llama", "bf16", "checkpointing-full", "constructor", "tp"),
+    # 2-D on 4 ranks: HSDP and FSDP x TP, 2 x 2 (the meshes the doctor and the bottleneck advice offer)
+    ("fsdp", "transformer", "fp32", "none", "seeded", "dp_replicate-dp_shard"),
+    ("fsdp", "transformer", "fp32", "none", "seeded", "dp_shard-tp"),
     # 3-D on 8 ranks: pp 2 x dp_shard 2 x tp 2, clipping across stages and meshes
     ("pipeline", "transformer", "fp32", "grad_clip", "seeded", "pp-dp_shard-tp"),
     # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension,

@@ -57,9 +57,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "## Meshes (`parallel:`, issue 30)", "",
               f"Each mesh puts the {WORLD} ranks on one dimension of a `parallel:` block "
               "(`trainkit/recipe/compatibility/meshes.py`): `tp` tensor parallel, `replicate` HSDP's replicate "
-              "dimension, `pp` the pipeline's stages. Meshes of two dimensions need 4 ranks: docs/strategies.md, "
-              "'Meshes'. `pp-dp_shard-tp` is the 3-D mesh pp 2 x dp_shard 2 x tp 2 on 8 ranks "
-              "(tests/test_pipeline_3d_runs.py).", "",
+              "dimension, `pp` the pipeline's stages. Meshes of several dimensions run on their own ranks: "
+              "`dp_replicate-dp_shard` (HSDP) and `dp_shard-tp` (FSDP x TP) 2 x 2 on 4 ranks "
+              "(tests/test_parallel_mesh_runs.py; docs/strategies.md, 'Meshes'), `pp-dp_shard-tp` the 3-D mesh "
+              "pp 2 x dp_shard 2 x tp 2 on 8 ranks (tests/test_pipeline_3d_runs.py).", "",
               "| strategy | mesh | option | precision | model | init | status |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {s.cell.strategy} | {s.cell.mesh} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | "
               f"{s.cell.init} | {_verdict(s, results, refusals)} |" for s in meshes]
