@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from .blocks.fsdp import FSDPOptions
-from .memory_plan import MemoryAdvice, MemoryPlan, ModelSizes, Part, Setting, plan
+from .memory_plan import MemoryAdvice, ModelSizes, Setting, plan, split_by_tp
 from .model_facts import facts_for
 
 
@@ -43,19 +43,6 @@ def candidates(recipe: Any, world: int) -> list[tuple[dict[str, int], str]]:
     return out
 
 
-def _gathered_slice(planned: MemoryPlan, dp_shard: int, tp: int) -> MemoryPlan:
-    """FSDP over dp_shard gathers each rank's tp slice of a unit (1/tp of it), and nothing on one dp_shard
-    rank; the plan's own line counts the whole unit wherever its layout divides the parameters."""
-    parts = []
-    for part in planned.parts:
-        if part.name == "gathered unit" and tp > 1:
-            if dp_shard == 1:
-                continue
-            part = Part(part.name, part.bytes // tp, part.where, f"{part.how}, / tp {tp} (each rank's slice)")
-        parts.append(part)
-    return MemoryPlan(planned.setting, tuple(parts))
-
-
 def mesh_alternatives(recipe: Any, sizes: ModelSizes, s: Setting, available: int,
                       verdict: Optional[Callable[..., Any]] = None) -> list[MemoryAdvice]:
     """The mesh changes that lower the plan, each with its figure, where the matrix verifies them (a recipe
@@ -68,15 +55,12 @@ def mesh_alternatives(recipe: Any, sizes: ModelSizes, s: Setting, available: int
     out = []
     for degrees, what in candidates(recipe, s.world_size):
         dp = degrees["dp_replicate"] * degrees["dp_shard"]
-        layout = FSDPOptions(name="fsdp").memory_layout(degrees["dp_shard"])
         tp = degrees["tp"]
-        layout = replace(layout, parameters=layout.parameters * tp, gradients=layout.gradients * tp,
-                         optimizer=layout.optimizer * tp)
+        layout = split_by_tp(FSDPOptions(name="fsdp").memory_layout(degrees["dp_shard"]), tp)
         accum = s.grad_accum_steps * dims.dp // dp if (s.grad_accum_steps * dims.dp) % dp == 0 else None
         if accum is None:
             continue
-        predicted = _gathered_slice(plan(sizes, replace(s, layout=layout, grad_accum_steps=accum)),
-                                    degrees["dp_shard"], tp)
+        predicted = plan(sizes, replace(s, layout=layout, grad_accum_steps=accum, tensor_parallel=tp))
         if predicted.per_rank >= now:
             continue
         answer = (verdict or _verdict)(recipe, degrees, None if fsdp else "fsdp")

@@ -65,6 +65,7 @@ class Setting:
     activation_checkpointing: bool
     device_type: str
     async_save: bool = False  # trainer.checkpoint.async_save: a staged host copy of the state while a save writes
+    tensor_parallel: int = 1  # parallel.tp: the layout's divisors include it; a gathered unit is a 1/tp slice
 
 
 @dataclass(frozen=True)
@@ -126,20 +127,27 @@ def setting_of(recipe: Any, device_type: str) -> Setting:
                    optimizer_tensors=optimizer_tensors(recipe.optimizer), micro_batch=recipe.data.batch_size,
                    grad_accum_steps=recipe.trainer.grad_accum_steps,
                    activation_checkpointing=recipe.performance.checkpointing.mode != "none",
+                   tensor_parallel=recipe.parallel_dims(ws).tp if recipe.parallel is not None else 1,
                    device_type=device_type, async_save=recipe.trainer.checkpoint.async_save)
 
 
 def layout_of(recipe: Any, world_size: int) -> MemoryLayout:
     """The strategy's layout, on the recipe's `parallel:` mesh when it has one: the strategy divides over
     its dimensions (HSDP: dp_shard only), and tensor parallel divides parameters, gradients and optimizer
-    state by tp (each rank holds its slice of every layer). Not counted (so over-estimated): activations
-    split by tp inside attention and MLP, and the FSDP unit gathered as a 1/tp slice."""
+    state by tp (each rank holds its slice of every layer; `plan` gathers a 1/tp slice of a unit, see
+    `Setting.tensor_parallel`). Not counted (so over-estimated): activations split by tp inside attention
+    and MLP."""
     if recipe.parallel is None:
         return recipe.strategy.memory_layout(world_size)
     dims = recipe.parallel_dims(world_size)
-    layout = recipe.strategy.memory_layout_on(dims)
-    return replace(layout, parameters=layout.parameters * dims.tp, gradients=layout.gradients * dims.tp,
-                   optimizer=layout.optimizer * dims.tp)
+    return split_by_tp(recipe.strategy.memory_layout_on(dims), dims.tp)
+
+
+def split_by_tp(layout: MemoryLayout, tp: int) -> MemoryLayout:
+    """`layout` with each rank holding 1/tp of every layer's parameters, gradients and optimizer state
+    (the plan's `Setting.tensor_parallel` then gathers 1/tp of a unit)."""
+    return replace(layout, parameters=layout.parameters * tp, gradients=layout.gradients * tp,
+                   optimizer=layout.optimizer * tp)
 
 
 def optimizer_tensors(optimizer: Any) -> int:
@@ -172,10 +180,8 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         bucket = min(P, L.gradient_bucket_elements)
         parts.append(Part("gradient buckets", bucket * stored, "device",
                           f"{bucket:,} x {stored} B (gradients copied into communication buckets)"))
-    if L.gathers_units and L.parameters > 1:
-        unit_bytes = low or FP32
-        parts.append(Part("gathered unit", 2 * sizes.largest_unit * unit_bytes, "device",
-                          f"2 x {sizes.largest_unit:,} x {unit_bytes} B (largest unit, and the next prefetched)"))
+    if L.gathers_units and L.parameters // s.tensor_parallel > 1:  # sharded over more than its tp group
+        parts.append(_gathered_unit(sizes.largest_unit, low or FP32, s.tensor_parallel))
     if L.builds_whole_model:
         parts.append(Part("whole model at build", P * FP32, "host",
                           f"{P:,} x 4 B: every rank builds the whole model, then keeps its stage"))
@@ -191,6 +197,15 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
                       "the process before the model (measured)" if s.device_type == "cpu" else
                       "CUDA context and kernels (a typical figure)"))
     return MemoryPlan(s, tuple(parts))
+
+
+def _gathered_unit(largest_unit: int, unit_bytes: int, tp: int) -> Part:
+    """The largest unit gathered, and the next prefetched: under tensor parallel each rank gathers its
+    1/tp slice of it (FSDP shards the DTensor's local slice over dp_shard), on one dp_shard rank nothing."""
+    elements = largest_unit // tp
+    slice_ = f" / tp {tp}: each rank's slice" if tp > 1 else ""
+    return Part("gathered unit", 2 * elements * unit_bytes, "device",
+                f"2 x {elements:,} x {unit_bytes} B (largest unit{slice_}, and the next prefetched)")
 
 
 STAGED = ("parameters", "fp32 master weights", "optimizer state", "buffers")  # what a checkpoint holds
@@ -294,4 +309,5 @@ def _advice(sizes: ModelSizes, changes: dict, setting: Setting, available: int, 
 
 
 __all__ = ["MemoryAdvice", "MemoryLayout", "MemoryPlan", "ModelSizes", "Part", "Setting", "alternatives", "gib",
-           "layout_of", "optimizer_tensors", "plan", "setting_of"]
+           "layout_of", "optimizer_tensors", "plan", "setting_of",
+           "split_by_tp"]
