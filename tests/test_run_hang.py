@@ -242,3 +242,32 @@ def test_every_group_is_recorded_and_served_while_the_rank_holds_the_gil(tmp_pat
         for proc in ranks:
             proc.kill()
             proc.wait(timeout=30)
+
+
+WITHOUT_THE_GROUP_REGISTRY = """
+import sys
+import torch, torch.distributed as dist
+from torch.distributed import distributed_c10d
+from trainkit.runtime import flight_recorder
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+del distributed_c10d._register_pg_in_world  # as in a torch without it (the hook and server came in 2.14)
+flight_recorder.start(0)
+t = torch.ones(2)
+dist.all_reduce(t)
+print("trained", t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_torch_without_the_flight_recorder_trains_on_with_a_warning(tmp_path):
+    """The Flight Recorder rests on torch 2.14's hook, worker server and a private group registry: a
+    torch without them (an older GPU image) must not stop the run, only lose that section of a hang report."""
+    from trainkit.runtime.flight_recorder import SOCKETS_ENV
+
+    env = {**os.environ, SOCKETS_ENV: str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_THE_GROUP_REGISTRY, str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained [1.0, 1.0]" in done.stdout
+    assert "no Flight Recorder in this torch" in done.stderr

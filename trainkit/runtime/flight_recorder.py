@@ -41,12 +41,17 @@ def start(rank: int) -> None:
     if not directory or _server is not None:
         return
     import torch.distributed as dist
-    from torch._C._distributed_c10d import _WorkerServer
     from torch.distributed import distributed_c10d
 
+    try:  # torch 2.14's hook, server and group registry; an older torch trains on without the record
+        from torch._C._distributed_c10d import FlightRecorderHook, _WorkerServer  # noqa: F401
+        register = distributed_c10d._register_pg_in_world
+    except (ImportError, AttributeError) as exc:
+        print(f"trainkit: warning: rank {dist.get_rank()}: no Flight Recorder in this torch ({exc}); a hang report "
+              "will have the stacks and trainkit's own collective record only", file=sys.stderr)
+        return
     for group in list(distributed_c10d._world.pg_map):
         _attach(group)
-    register = distributed_c10d._register_pg_in_world
 
     def register_and_record(pg, *args, **kwargs):
         register(pg, *args, **kwargs)
