@@ -88,10 +88,13 @@ def collect(run_dir: Path, directory: Path, ranks: dict, backend: str) -> Dumps:
             continue
         try:
             record = json.loads(_ask(socket_path(directory, rank), "fr_trace_json"))
-            native = _ask(socket_path(directory, rank), "dump_nccl_trace_pickle")
         except (OSError, ValueError, http.client.HTTPException) as exc:
             dumps.missing[rank] = f"no answer from its flight recorder ({type(exc).__name__}: {exc})"
             continue
+        try:  # NCCL's own record: a torch built without NCCL has no such handler, which costs only this
+            native = _ask(socket_path(directory, rank), "dump_nccl_trace_pickle") if label == "nccl" else b""
+        except (OSError, ValueError, http.client.HTTPException):
+            native = b""
         dump, left_out = for_analysis(record, label)
         dumps.ranks[rank], dumps.left_out = dump, dumps.left_out + left_out
         (dumps.folder / f"{DUMP_PREFIX}{rank}").write_bytes(pickle.dumps(dump))

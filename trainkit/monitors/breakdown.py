@@ -38,7 +38,7 @@ class BreakdownMonitor(Monitor):
 
     def on_step_start(self, step: int) -> None:
         if self.mesh_timer is not None:
-            self.mesh_timer.take()  # what ran between steps (evaluation, checkpoints, logging) is not a step's
+            self.mesh_timer.take(settle=False)  # what ran between steps (evaluation, checkpoints, logging) is not a step's
 
     def on_step_end(self, step: int, times: StepTimes) -> None:
         self.pending.append(times)  # resolved at the log step: no device sync per step

@@ -22,13 +22,14 @@ a moment when compute is done.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections import defaultdict
 from typing import Any, Optional
 
 import torch
 
-from .timing import comm_seconds, time_source
+from .timing import CommSpans, time_source
 
 HOOK_ID = 0x6D657368  # "mesh": this module's hooks among other hooks on the same groups (Flight Recorder)
 POLL_S = 0.0005  # how often the timer looks at asynchronous collectives without a future (gloo's)
@@ -154,15 +155,16 @@ class MeshCommTimer:
             self._open -= 1
             self._lock.notify_all()
 
-    def take(self) -> "MeshCommStep":
+    def take(self, settle: bool = True) -> "MeshCommStep":
         """The collectives since the last call, per dimension (lazy: nothing is synchronized here).
         A step has waited for its collectives when it ends, but their completion is recorded by
         another thread (the future's callback, the waiting thread), which needs the GIL: wait up to
         `settle_s` for those records, so that a step's last collectives are not counted in the next
         window (or dropped with the time between steps). If that wait ever times out, something
-        stays in flight across steps, and later calls do not wait: it counts when it completes."""
+        stays in flight across steps, and later calls do not wait: it counts when it completes.
+        `settle=False`: no wait, for a call that only clears what ran between steps."""
         with self._lock:
-            if self._open > 0 and self.settle_s > 0 and not self._lock.wait_for(lambda: self._open <= 0,
+            if settle and self._open > 0 and self.settle_s > 0 and not self._lock.wait_for(lambda: self._open <= 0,
                                                                               timeout=self.settle_s):
                 self.settle_s = 0.0
             step = MeshCommStep(self.source, dict(self._spans), dict(self._bytes), dict(self._count),
@@ -189,9 +191,7 @@ class MeshCommStep:
     def resolve(self) -> dict[str, dict]:
         out = {}
         for dim in sorted(set(self.count) | set(self.spans)):
-            marks = [m for pair in self.spans.get(dim, []) for m in pair]
-            offsets = self.source.offsets(marks) if marks else []
-            seconds = comm_seconds(list(zip(offsets[0::2], offsets[1::2])))[0]
+            seconds = CommSpans(self.source, self.spans.get(dim, [])).in_flight.resolve()
             out[dim] = {"s": seconds, "bytes": self.nbytes.get(dim, 0), "count": self.count.get(dim, 0),
                         "untimed": self.untimed.get(dim, 0)}
         return out
@@ -214,4 +214,9 @@ def per_step(total: dict, steps: int) -> dict:
 def build(mesh, device: torch.device, world_size: int) -> Optional[MeshCommTimer]:
     """A timer on the mesh's groups, or None when there is nothing to time (one rank, no mesh)."""
     groups = mesh_groups(mesh) if world_size > 1 else {}
+    if groups and not all(hasattr(g, "register_pre_hook") for g in groups.values()):
+        print("trainkit: warning: breakdown: communication per mesh dimension needs process-group hooks "
+              "(ProcessGroup.register_pre_hook, torch 2.14); this torch has none, so it is not measured",
+              file=sys.stderr)
+        return None
     return MeshCommTimer(groups, device) if groups else None
