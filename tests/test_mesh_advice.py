@@ -169,3 +169,25 @@ def test_the_plan_of_a_tp_recipe_gathers_each_ranks_slice(tmp_path):
     assert two_d["gathered unit"] == 2 * (model_sizes(recipe).largest_unit // 2) * 4
     tp_alone, _ = parts({"dp_shard": 1, "tp": 2}, 2)
     assert "gathered unit" not in tp_alone and tp_alone["parameters"] == two_d["parameters"] * 2
+
+
+def test_the_mesh_alternatives_of_an_offloading_fsdp_recipe_keep_its_offload(tmp_path):
+    """An FSDP recipe with cpu_offload keeps it on the proposed mesh (the changes touch only parallel.* and
+    accumulation), so the alternative's plan must too: its parameters stay host memory, not device memory
+    (before, the alternatives planned FSDP's defaults whatever the recipe's options)."""
+    from dataclasses import replace
+
+    from trainkit.recipe.memory_mesh import mesh_alternatives
+    from trainkit.recipe.memory_plan import setting_of
+    from trainkit.runtime.memory_trace import model_sizes
+
+    _, recipe = _recipe(tmp_path, Cell("fsdp+cpu_offload", "transformer", "fp32"), launch={"nproc_per_node": 4},
+                        model={"args": {"dim": 1024, "layers": 4, "heads": 4}})
+    assert recipe.strategy.cpu_offload
+    s = setting_of(recipe, "cuda")
+    everything_verified = lambda *_: type("V", (), {"verified": True, "text": lambda self: "verified"})()  # noqa: E731
+    alternatives = mesh_alternatives(recipe, model_sizes(recipe), s, 1 << 50, verdict=everything_verified)
+    assert alternatives, "no mesh alternative was planned"
+    for a in alternatives:
+        where = {p.name: p.where for p in a.plan.parts}
+        assert where["parameters"] == "host", (a.changes, where)

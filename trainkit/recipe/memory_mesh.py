@@ -56,7 +56,9 @@ def mesh_alternatives(recipe: Any, sizes: ModelSizes, s: Setting, available: int
     for degrees, what in candidates(recipe, s.world_size):
         dp = degrees["dp_replicate"] * degrees["dp_shard"]
         tp = degrees["tp"]
-        layout = split_by_tp(FSDPOptions(name="fsdp").memory_layout(degrees["dp_shard"]), tp)
+        # an FSDP recipe keeps its own options (cpu_offload, ...) on the new mesh; another strategy gets FSDP's defaults
+        sharding = recipe.strategy if fsdp else FSDPOptions(name="fsdp")
+        layout = split_by_tp(sharding.memory_layout(degrees["dp_shard"]), tp)
         accum = s.grad_accum_steps * dims.dp // dp if (s.grad_accum_steps * dims.dp) % dp == 0 else None
         if accum is None:
             continue
