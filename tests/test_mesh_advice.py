@@ -175,8 +175,6 @@ def test_the_mesh_alternatives_of_an_offloading_fsdp_recipe_keep_its_offload(tmp
     """An FSDP recipe with cpu_offload keeps it on the proposed mesh (the changes touch only parallel.* and
     accumulation), so the alternative's plan must too: its parameters stay host memory, not device memory
     (before, the alternatives planned FSDP's defaults whatever the recipe's options)."""
-    from dataclasses import replace
-
     from trainkit.recipe.memory_mesh import mesh_alternatives
     from trainkit.recipe.memory_plan import setting_of
     from trainkit.runtime.memory_trace import model_sizes
