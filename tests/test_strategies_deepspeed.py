@@ -113,3 +113,26 @@ def test_deepspeed_recipe_runs_end_to_end(tmp_path, ext):
     assert result.returncode == 0, result.output[-6000:]
     s = summary(tmp_path / "runs" / "deepspeed-zero3-mlp")
     assert s["steps"] == 4 and s["world_size"] == 2
+
+
+IMPORT_IN_A_RANK = """
+import sys
+from trainkit.strategies.deepspeed_import import import_deepspeed
+import_deepspeed()
+print("mlflow after deepspeed:", "mlflow" in sys.modules)
+import mlflow  # the mark is taken away again: a later import works
+print("mlflow importable:", mlflow.__name__ == "mlflow")
+"""
+
+
+def test_a_rank_imports_deepspeed_without_mlflow_and_can_import_it_after(ext):
+    """DeepSpeed's autotuner imports MLflow (~110 MiB a rank, docs/benchmarks.md); a rank imports DeepSpeed
+    with MLflow marked absent, then a later `import mlflow` still works (a fresh process, as a rank is)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", IMPORT_IN_A_RANK], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **ext})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mlflow after deepspeed: False" in done.stdout and "mlflow importable: True" in done.stdout, done.stdout
