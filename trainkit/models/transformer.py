@@ -111,6 +111,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Sequential):
     """tokens [batch, seq] -> logits [batch, seq, vocab]."""
 
+    # the unit FSDP shards, activation checkpointing recomputes and the memory plan gathers
+    # (runtime.performance.repeated_blocks reads it, as Accelerate reads a Hugging Face model's)
+    _no_split_modules = ["TransformerBlock"]
+
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = config

@@ -31,28 +31,63 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def repeated_blocks(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """The model's blocks, in registration (forward) order.
+def block_classes(model: nn.Module, class_names: list[str]) -> list[str]:
+    """The class names that make a block: the recipe's own (`wrap:`/`blocks:`), else what the model
+    declares as the layers never to split -- `_no_split_modules`, the attribute Hugging Face models
+    carry and Accelerate's automatic wrapping reads (the built-in transformer declares it too)."""
+    return list(class_names or getattr(model, "_no_split_modules", None) or [])
 
-    With class names (e.g. ``["Bottleneck"]``): every module of those classes, outermost only.
-    Without (automatic): the children with parameters of every Sequential/ModuleList container,
-    i.e. the repeated blocks of a network (ResNet's Bottlenecks, an MLP's layers).
+
+def repeated_blocks(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """The model's blocks, in registration (forward) order: the one notion of a block that FSDP's
+    units, activation checkpointing, per-block compile and the memory plan share.
+
+    With class names (`block_classes`: the recipe's, or the model's `_no_split_modules`): every module of
+    those classes, outermost only. Otherwise (automatic): the repeated layers of the network -- inside each
+    Sequential/ModuleList, the children with parameters whose class occurs more than once there
+    (ResNet's Bottlenecks, an MLP's Linears, a stack of blocks); a container holding all of them is
+    descended into, never taken as one block. A model without repetition falls back to the children with
+    parameters of its containers (a one-layer stack keeps its layer as a block).
     """
+    names = block_classes(model, class_names)
+    if names:
+        if type(model).__name__ in names:
+            return []  # the root is the only block
+        return _outermost_of(model, names)
+    return _repeated_children(model, repeated_only=True) or _repeated_children(model, repeated_only=False)
+
+
+def _outermost_of(model: nn.Module, names: list[str]) -> list[nn.Module]:
     chosen: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if class_names:
-                hit = type(child).__name__ in class_names
+            if type(child).__name__ in names:
+                chosen.append(child)
             else:
-                hit = isinstance(module, CONTAINERS) and _has_params(child)
+                visit(child)
+
+    visit(model)
+    return chosen
+
+
+def _repeated_children(model: nn.Module, *, repeated_only: bool) -> list[nn.Module]:
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, CONTAINERS):
+            with_params = [c for c in module.children() if _has_params(c)]
+            counts: dict[type, int] = {}
+            for c in with_params:
+                counts[type(c)] = counts.get(type(c), 0) + 1
+        for child in module.children():
+            hit = (isinstance(module, CONTAINERS) and _has_params(child)
+                   and (counts[type(child)] > 1 or not (repeated_only or isinstance(child, CONTAINERS))))
             if hit:
                 chosen.append(child)
             else:
                 visit(child)
 
-    if class_names and type(model).__name__ in class_names:
-        return []  # the root is the only block
     visit(model)
     return chosen
 
@@ -120,4 +155,4 @@ def channels_last_input(x):
 
 
 __all__ = ["apply_activation_checkpointing", "channels_last_input", "checkpoint_blocks", "checkpointed_blocks",
-           "compile_kwargs", "compile_module", "prepare_model", "repeated_blocks", "set_backend_flags"]
+           "compile_kwargs", "compile_module", "block_classes", "prepare_model", "repeated_blocks", "set_backend_flags"]
