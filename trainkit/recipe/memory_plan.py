@@ -40,6 +40,8 @@ class ModelSizes:
     activation_bytes: Optional[int]  # saved for backward, one micro-batch, fp32; None: could not trace
     checkpointed_activation_bytes: Optional[int] = None  # the same with every repeated block recomputed
     micro_batch: int = 1  # the batch size the activations were traced with
+    largest_unit_name: str = ""  # the class of the largest unit (TransformerBlock, Bottleneck, ...)
+    blocks: int = 0  # how many blocks the model has (units FSDP shards, blocks checkpointing recomputes)
 
 
 @dataclass(frozen=True)
@@ -126,9 +128,16 @@ def setting_of(recipe: Any, device_type: str) -> Setting:
     return Setting(layout=layout_of(recipe, ws), world_size=ws, precision=recipe.precision,
                    optimizer_tensors=optimizer_tensors(recipe.optimizer), micro_batch=recipe.data.batch_size,
                    grad_accum_steps=recipe.trainer.grad_accum_steps,
-                   activation_checkpointing=recipe.performance.checkpointing.mode != "none",
+                   activation_checkpointing=checkpoints_activations(recipe),
                    tensor_parallel=recipe.parallel_dims(ws).tp if recipe.parallel is not None else 1,
                    device_type=device_type, async_save=recipe.trainer.checkpoint.async_save)
+
+
+def checkpoints_activations(recipe: Any) -> bool:
+    """Activation checkpointing in either spelling: `performance.activation_checkpointing`, or the
+    deprecated `strategy.activation_checkpointing` of FSDP (which recomputes every unit)."""
+    return (recipe.performance.checkpointing.mode != "none"
+            or bool(getattr(recipe.strategy, "activation_checkpointing", False)))
 
 
 def layout_of(recipe: Any, world_size: int) -> MemoryLayout:
@@ -177,11 +186,12 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         parts.append(Part("optimizer state", P * FP32 * s.optimizer_tensors // L.optimizer, offloaded_state,
                           f"{P:,} x {s.optimizer_tensors} x 4 B / {L.optimizer}"))
     if L.gradient_bucket_elements:
-        bucket = min(P, L.gradient_bucket_elements)
+        bucket = min(P, max(L.gradient_bucket_elements, min(sizes.largest_unit, 500_000_000))
+                     if L.gradient_bucket_per_unit else L.gradient_bucket_elements)
         parts.append(Part("gradient buckets", bucket * stored, "device",
                           f"{bucket:,} x {stored} B (gradients copied into communication buckets)"))
     if L.gathers_units and L.parameters // s.tensor_parallel > 1:  # sharded over more than its tp group
-        parts.append(_gathered_unit(sizes.largest_unit, low or FP32, s.tensor_parallel))
+        parts.append(_gathered_unit(sizes.largest_unit, low or FP32, s.tensor_parallel, sizes.largest_unit_name))
     if L.builds_whole_model:
         parts.append(Part("whole model at build", P * FP32, "host",
                           f"{P:,} x 4 B: every rank builds the whole model, then keeps its stage"))
@@ -199,13 +209,14 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     return MemoryPlan(s, tuple(parts))
 
 
-def _gathered_unit(largest_unit: int, unit_bytes: int, tp: int) -> Part:
+def _gathered_unit(largest_unit: int, unit_bytes: int, tp: int, name: str = "") -> Part:
     """The largest unit gathered, and the next prefetched: under tensor parallel each rank gathers its
     1/tp slice of it (FSDP shards the DTensor's local slice over dp_shard), on one dp_shard rank nothing."""
     elements = largest_unit // tp
     slice_ = f" / tp {tp}: each rank's slice" if tp > 1 else ""
+    which = f"largest unit: {name}" if name else "largest unit"
     return Part("gathered unit", 2 * elements * unit_bytes, "device",
-                f"2 x {elements:,} x {unit_bytes} B (largest unit{slice_}, and the next prefetched)")
+                f"2 x {elements:,} x {unit_bytes} B ({which}{slice_}, and the next prefetched)")
 
 
 STAGED = ("parameters", "fp32 master weights", "optimizer state", "buffers")  # what a checkpoint holds

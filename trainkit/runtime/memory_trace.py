@@ -5,6 +5,15 @@ forward on a meta batch of the recipe's shape, counting what autograd saves for 
 (`torch.autograd.graph.saved_tensors_hooks`) -- the activations a rank holds between its forward and
 its backward -- once with every block kept and once as activation checkpointing keeps it (each
 repeated block's input, plus one block's own activations while it is recomputed).
+
+Attention is traced as the fused kernels run it, not as the meta device would: on the meta device
+`scaled_dot_product_attention` takes the math path, which saves the B x H x T x T attention weights
+(twice, in fp32 under autocast) -- quadratic in the sequence -- while the kernels a run uses (flash and
+memory-efficient on CUDA, the flash kernel torch has for CPU) save the output and a B x H x T log-sum-exp.
+`FusedAttentionShapes` stands in for the call during the trace and saves exactly those.
+
+The blocks are `runtime.performance.repeated_blocks` -- the same units FSDP shards and checkpointing
+recomputes -- so the plan names the unit it gathers and what checkpointing keeps.
 """
 
 from __future__ import annotations
@@ -19,6 +28,25 @@ from .model import factory
 from .performance import repeated_blocks
 
 
+def recipe_block_names(recipe: Any) -> list[str]:
+    """The class names the recipe makes its blocks: a sharding strategy's `wrap:` (its units), else
+    checkpointing's `blocks:`; empty: the model's own (`repeated_blocks`)."""
+    return list(getattr(recipe.strategy, "wrap", None) or recipe.performance.checkpointing.blocks or [])
+
+
+def largest_unit_of(recipe: Any) -> int:
+    """Parameter elements of the recipe's largest block (built on the meta device: no memory); 0 where
+    the model does not build there."""
+    spec = recipe.model
+    try:
+        with torch.device("meta"):
+            model = factory(spec.name)(**spec.args)
+    except Exception:  # reported by preflight's model checks
+        return 0
+    blocks = repeated_blocks(model, recipe_block_names(recipe))
+    return max([sum(p.numel() for p in b.parameters()) for b in blocks], default=0)
+
+
 def model_sizes(recipe: Any) -> ModelSizes:
     """Sizes of the recipe's model (built on the meta device) and of one micro-batch's activations."""
     spec = recipe.model
@@ -26,13 +54,15 @@ def model_sizes(recipe: Any) -> ModelSizes:
         model = factory(spec.name)(**spec.args)
     parameters = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    blocks = repeated_blocks(model, [])
-    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
-    largest = max([sum(p.numel() for p in b.parameters()) for b in blocks] + [parameters - in_blocks])
+    blocks = repeated_blocks(model, recipe_block_names(recipe))
+    units = [(sum(p.numel() for p in b.parameters()), type(b).__name__) for b in blocks]
+    in_blocks = sum(n for n, _ in units)
+    largest, name = max(units + [(parameters - in_blocks, "the rest of the model (the root unit)")])
     batch = example_batch(recipe)
     whole, checkpointed = (None, None) if batch is None else _trace(model, blocks, batch)
     return ModelSizes(parameters=parameters, buffer_bytes=buffers, largest_unit=largest, activation_bytes=whole,
-                      checkpointed_activation_bytes=checkpointed, micro_batch=recipe.data.batch_size)
+                      checkpointed_activation_bytes=checkpointed, micro_batch=recipe.data.batch_size,
+                      largest_unit_name=name, blocks=len(blocks))
 
 
 def example_batch(recipe: Any) -> Optional[torch.Tensor]:
@@ -88,7 +118,7 @@ def _trace(model: nn.Module, blocks: list[nn.Module], batch: torch.Tensor) -> tu
     for i, block in enumerate(blocks):
         handles += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave)]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FusedAttentionShapes():
             model.train()
             model(batch)
     except Exception:  # an op without a meta kernel, a data-dependent shape: activations stay unknown
@@ -98,3 +128,30 @@ def _trace(model: nn.Module, blocks: list[nn.Module], batch: torch.Tensor) -> tu
             h.remove()
     checkpointed = sum(kept.values()) + max(per_block.values(), default=0)
     return sum(seen.values()), checkpointed if blocks else None
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shapes only: what a flash / memory-efficient attention kernel saves for backward (q, k, v, the
+    output, the fp32 log-sum-exp per query) -- torch's `_scaled_dot_product_flash_attention` and
+    `_efficient_attention` outputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the trace is forward only
+        raise NotImplementedError
+
+
+class FusedAttentionShapes(torch.overrides.TorchFunctionMode):
+    """During the trace, `F.scaled_dot_product_attention` saves what the fused kernels save."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            return _FusedAttention.apply(q, k, v)
+        return func(*args, **(kwargs or {}))
