@@ -23,6 +23,7 @@ from ..recipe.blocks import DeepSpeedOptions
 from ..recipe.blocks.deepspeed import ZERO3_BUFFER_NUMEL
 from ..runtime.files import fsync_save
 from ..runtime.materialize import check_seedable, owners, seeded_values
+from ..runtime.memory_trace import largest_unit_of
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
 from .base import Strategy, replicated_buffers
 from .deepspeed_checkpoint import load_mapped, settle
@@ -43,16 +44,25 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-# ZeRO-3's buffers, in elements, sized like DDP's 25 MB gradient bucket. DeepSpeed's defaults (reduce
-# bucket 5e8, prefetch 5e7, live parameters and reuse distance 1e9, one optimizer sub-group of 1e9) are
-# larger than a whole model of a few hundred million parameters: a rank then fills a gradient bucket as
-# large as the model, keeps every gathered layer until backward, and steps the optimizer over its whole
-# partition at once (two temporaries of its size in torch's AdamW); measured on bench/strategies_memory.py
-# (docs/benchmarks.md, "No rank holds the whole model"). The size lives with the options: the memory plan
-# counts these buffers too.
-ZERO3_BUFFERS = {key: ZERO3_BUFFER_NUMEL for key in (
-    "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "sub_group_size")}
+def zero3_buffers(largest_unit: int) -> dict:
+    """ZeRO-3's buffers sized from the model's largest block (`largest_unit`, elements).
+
+    DeepSpeed prefetches the next module's parameters only while fewer than `stage3_max_live_parameters`
+    are gathered (`partitioned_param_coordinator.py`), so a live limit below one block switches prefetch
+    off and puts every all-gather on the critical path. Here: two blocks live (the one computing and the
+    next, prefetched: FSDP's own schedule, and what the memory plan's "gathered unit" counts), one block
+    per prefetch and per gradient reduce-scatter, an optimizer sub-group of one block. DeepSpeed's own
+    defaults (prefetch 5e7, live 1e9, reduce bucket 5e8, sub-group 1e9) are the ceiling: they exceed a
+    whole model of a few hundred million parameters, whose rank would then fill a gradient bucket as large
+    as the model and keep every gathered layer until backward (docs/benchmarks.md, "ZeRO-3's buffers").
+    The floor, 5e6 elements (DDP's 25 MB bucket), keeps small blocks from turning into many tiny
+    collectives."""
+    unit = max(ZERO3_BUFFER_NUMEL, int(largest_unit))
+    return {"stage3_prefetch_bucket_size": min(unit, 50_000_000),
+            "stage3_max_live_parameters": min(2 * unit, 1_000_000_000),
+            "stage3_max_reuse_distance": min(unit, 1_000_000_000),
+            "reduce_bucket_size": min(unit, 500_000_000),
+            "sub_group_size": min(unit, 1_000_000_000)}
 
 
 def ds_config_for(recipe) -> dict:
@@ -60,7 +70,8 @@ def ds_config_for(recipe) -> dict:
     micro batch x accumulation x data-parallel world size)."""
     s: DeepSpeedOptions = recipe.strategy
     t = recipe.trainer
-    zero: dict = {"stage": s.zero_stage, **(ZERO3_BUFFERS if s.zero_stage == 3 else {})}  # `config` may override
+    buffers = zero3_buffers(largest_unit_of(recipe)) if s.zero_stage == 3 else {}
+    zero: dict = {"stage": s.zero_stage, **buffers}  # `config` may override
     if s.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": s.offload_optimizer, "pin_memory": torch_cuda_available()}
     if s.offload_param != "none":

@@ -24,7 +24,8 @@ OWNED_BY_THE_RECIPE = {
 
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
-ZERO3_BUFFER_NUMEL = 5_000_000  # trainkit's ZeRO-3 buckets and live parameters (the component's ds_config)
+ZERO3_BUFFER_NUMEL = 5_000_000  # the floor of ZeRO-3's buffers, which are sized from the model's largest block
+#                                (strategies/deepspeed.py zero3_buffers)
 DEEPSPEED_RUNTIME = 20 << 20  # importing DeepSpeed (without MLflow) adds this to a rank's process (measured, docs/memory.md)
 
 
@@ -65,11 +66,12 @@ class DeepSpeedOptions(StrategyOptions):
         offloads = self.offload_optimizer != "none" or self.offload_param != "none"
         zero = self.config.get("zero_optimization", {}) if isinstance(self.config.get("zero_optimization"), dict) else {}
         bucket = int(zero.get("reduce_bucket_size", ZERO3_BUFFER_NUMEL if stage == 3 else DEEPSPEED_REDUCE_BUCKET))
+        per_unit = stage == 3 and "reduce_bucket_size" not in zero  # sized from the model's largest block
         return MemoryLayout(optimizer=n if stage >= 1 else 1, gradients=n if stage >= 2 else 1,
                             parameters=n if stage == 3 else 1, gathers_units=stage == 3,
                             low_precision_parameters=True, master_copy=stage >= 1,
                             master_copy_in_fp32=stage != 3 or offloads,  # strategies/deepspeed_master.py
-                            gradient_bucket_elements=bucket if stage >= 2 else 0,
+                            gradient_bucket_elements=bucket if stage >= 2 else 0, gradient_bucket_per_unit=per_unit,
                             offload_parameters=self.offload_param != "none",
                             offload_optimizer=self.offload_optimizer != "none", runtime_bytes=DEEPSPEED_RUNTIME)
 
