@@ -52,6 +52,7 @@ VERDICT = "verdict.json"  # the verdict and advice as tags (tracking turns them 
 GPU = "gpu.json"  # the gpu monitor's utilisation over the run
 MESH_COMM = "mesh-comm.json"  # the breakdown monitor's communication per mesh dimension over the run
 CUDA_OOM_SNAPSHOT = "cuda-oom-rank{rank}.pickle"  # the allocator's history when a rank ran out of GPU memory
+CUDA_MEMORY_SNAPSHOT = "cuda-memory-rank{rank}.pickle"  # the memory monitor's allocator history at the end
 
 # RUN_DIR/live/
 RANK_MEMORY = "memory-rank{rank}.json"  # each rank's phase, peak memory and limit (the OOM report reads it)

@@ -8,7 +8,7 @@ from typing import Optional
 import psutil
 import torch
 
-from ..run_dir import report_path
+from ..run_dir import CUDA_MEMORY_SNAPSHOT, report_path
 from .base import Monitor
 
 MB = 1024 * 1024
@@ -47,7 +47,7 @@ class MemoryMonitor(Monitor):
 
     def close(self) -> None:
         if self.cuda and self.options.snapshot:
-            path = report_path(self.ctx.run_dir, f"cuda-memory-rank{self.ctx.rank}.pickle")
+            path = report_path(self.ctx.run_dir, CUDA_MEMORY_SNAPSHOT.format(rank=self.ctx.rank))
             path.parent.mkdir(exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(path))
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -7,7 +7,8 @@ each phase (one `pwrite` of a fixed-size record to a file opened once: microseco
 read by the launcher (`trainkit.launch.oom`). A rank that fails with an exception instead
 (`MemoryError` from an address-space limit, `torch.OutOfMemoryError` on a GPU) is explained here too
 (`explained`), and on CUDA leaves the allocator's recent history for https://pytorch.org/memory_viz
-(torchtitan's memory snapshot on OOM).
+(torchtitan's memory snapshot on OOM; with the allocations' stacks when the memory monitor records
+them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from . import memory_limits
 
 RECORD_BYTES = 512
 PEAK_EVERY_S = 1.0  # steps refresh the recorded peak at most this often (other phases always do)
-CUDA_HISTORY_ENTRIES = 100_000  # allocator events kept (torchtitan's default for its snapshots)
 
 
 class OutOfMemory(RuntimeError):
@@ -76,7 +76,10 @@ def start(run_dir: Path, rank: int, device) -> None:
     if cuda is not None:
         import torch
 
-        torch.cuda.memory._record_memory_history(max_entries=CUDA_HISTORY_ENTRIES, stacks="python")
+        # No allocator history here: recording one (a Python traceback per allocation and free) costs
+        # host memory and time on every step of every run. The OOM snapshot below holds the allocator's
+        # segments and blocks at the failure either way, and the allocations' stacks too when the memory
+        # monitor records them (`monitors: [{name: memory, snapshot: true}]`).
         _watch.limit = torch.cuda.get_device_properties(cuda).total_memory
         _watch.limit_source = f"{torch.cuda.get_device_name(cuda)}'s memory"
     _watch.phase("build")
