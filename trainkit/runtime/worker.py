@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ..console import survive_closed_output
 from .. import registry
 from ..monitors.base import build_monitors, context
 from ..recipe import resolve
@@ -194,6 +195,7 @@ def _close_sinks(sinks: list, failing: bool) -> None:
 
 @record
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    survive_closed_output()  # rank 0 prints progress to the launcher's stdout: a closed pipe must not end training
     die_with_launcher()
     show_each_warning_once()
     args = list(sys.argv[1:] if argv is None else argv)
