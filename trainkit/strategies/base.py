@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.materialize import materialize, parameters_on_meta
-from ..runtime.mesh import data_parallel_coordinate
 
 
 def replicated_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,15 +60,17 @@ class Strategy:
             clipping at construction (DeepSpeed builds its config from them).
         dims: the run's `ParallelDims` (`recipe.parallel_dims(world_size)`); None: plain data
             parallel over the world.
-        mesh: the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh built from `dims`
-            (runtime.mesh.build_mesh); None without a process group.
+        mesh: the run's `runtime.mesh.RunMesh` over ("pp", "dp_replicate", "dp_shard", "tp"), built from `dims`
+            (runtime.mesh.RunMesh: the one owner of the degrees, the DeviceMesh and its named views and
+            groups); None without a process group.
     """
 
     comm_timer = None  # a runtime.timing.CommTimer, set before setup() when a monitor measures communication
 
     def __init__(self, options, *, device: torch.device, precision=None, recipe=None, dims=None, mesh=None):
         self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
-        self.dims, self.device_mesh = dims, mesh
+        self.dims, self.run_mesh = dims, mesh
+        self.device_mesh = mesh.device_mesh if mesh is not None else None  # the DeviceMesh itself (monitors)
 
     # ---- what the strategy declares (its options class: recipe.blocks.strategy.Capabilities)
     @property
@@ -107,16 +108,16 @@ class Strategy:
     def data_parallel_rank(self) -> int:
         """Which shard of the data this rank reads (ranks with the same value read the same batches:
         the tensor-parallel and pipeline ranks of one data-parallel group)."""
-        if self.device_mesh is None:
+        if self.run_mesh is None:
             return self.rank
-        return data_parallel_coordinate(self.device_mesh)[0]
+        return self.run_mesh.data_parallel_rank
 
     @property
     def data_parallel_size(self) -> int:
         """How many different batches one micro-step consumes across the job."""
-        if self.device_mesh is None:
+        if self.run_mesh is None:
             return self.world_size
-        return data_parallel_coordinate(self.device_mesh)[1]
+        return self.run_mesh.data_parallel_size
 
     @property
     def ranks_per_batch(self) -> int:
@@ -129,9 +130,7 @@ class Strategy:
         ("dp_replicate", "dp_shard") sub-mesh, flattened); None: the whole world."""
         if self.ranks_per_batch == 1:
             return None
-        if getattr(self, "_dp_group", None) is None:
-            self._dp_group = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
-        return self._dp_group
+        return self.run_mesh.group("batch")
 
     # ---- build
     def empty_init(self) -> ContextManager:
@@ -265,9 +264,9 @@ class Strategy:
     @property
     def replica_index(self) -> int:
         """Which copy of the sharded model this rank holds a part of (its "dp_replicate" coordinate)."""
-        if self.device_mesh is None:
+        if self.run_mesh is None:
             return 0
-        return dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.get_coordinate()))["dp_replicate"]
+        return self.run_mesh.replica_index
 
     def replicas_agree(self, digests: list[str]) -> Optional[bool]:
         """Whether the ranks' `replica_digests` show the same model (None: nothing is replicated)."""

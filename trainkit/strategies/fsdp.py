@@ -167,15 +167,6 @@ def clip_grad_norm_on_meshes(params: list[nn.Parameter], max_norm: float) -> tor
     return total
 
 
-def shard_mesh_of(mesh):
-    """FSDP's mesh in the run's 4-D mesh: 1-D "dp_shard" (plain FSDP), or the 2-D ("dp_replicate",
-    "dp_shard") sub-mesh when there are replicas: `fully_shard` on a 2-D mesh is HSDP (shard within a
-    group, all-reduce across)."""
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
-
-
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, b in module._buffers.items():
@@ -205,12 +196,12 @@ class FSDPStrategy(Strategy):
             print("trainkit: strategy.activation_checkpointing is deprecated: use performance.activation_checkpointing: "
                   "full", flush=True)
         if self.tensor_parallel > 1:  # TP inside the layers first, then FSDP over the data-parallel ranks
-            model = apply_tensor_parallel(model, self.full_mesh["tp"], loss_parallel=self.loss_parallel)
+            model = apply_tensor_parallel(model, self.mesh_owner.view("tp"), loss_parallel=self.loss_parallel)
         self.mesh = self.shard_mesh()
         if self.tensor_parallel > 1:
             # a flattened (data-parallel..., "tp") group: DTensor then reduces a norm over both in one
             # all-reduce instead of one per dimension (and stops warning each rank that it does not)
-            self.full_mesh[(*self.mesh.mesh_dim_names, "tp")]._flatten()
+            self.mesh_owner.view("fsdp_tp")
         apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32", self.performance)
         if seeded:
             fill_shards(model, self._seed, home)
@@ -221,18 +212,20 @@ class FSDPStrategy(Strategy):
 
     # ---- the mesh: FSDP shards over ("dp_replicate", "dp_shard"), tensor parallel inside "tp"
     @property
-    def full_mesh(self):
-        """The run's 4-D mesh (runtime.mesh); built here for a strategy constructed without one."""
-        if self.device_mesh is None:
+    def mesh_owner(self):
+        """The run's mesh (runtime.mesh.RunMesh); plain FSDP over the world for a strategy constructed
+        without one (a bench's in-process strategy)."""
+        if self.run_mesh is None:
             from ..recipe.blocks.strategy import ParallelDims
-            from ..runtime.mesh import build_mesh
+            from ..runtime.mesh import RunMesh
 
-            self.device_mesh = build_mesh(ParallelDims(dp_shard=self.world_size), self.device.type)
-        return self.device_mesh
+            self.run_mesh = RunMesh.build(ParallelDims(dp_shard=self.world_size), self.device.type)
+            self.device_mesh = self.run_mesh.device_mesh
+        return self.run_mesh
 
     @property
     def tensor_parallel(self) -> int:
-        return self.full_mesh["tp"].size()
+        return self.mesh_owner.degree("tp")
 
     @property
     def loss_parallel(self) -> bool:
@@ -240,8 +233,8 @@ class FSDPStrategy(Strategy):
         return self.tensor_parallel > 1
 
     def shard_mesh(self):
-        """FSDP's mesh (`shard_mesh_of`): "dp_shard", or ("dp_replicate", "dp_shard") for HSDP."""
-        return shard_mesh_of(self.full_mesh)
+        """FSDP's mesh, the run mesh's "fsdp" view: "dp_shard", or ("dp_replicate", "dp_shard") for HSDP."""
+        return self.mesh_owner.view("fsdp")
 
     def forward_backward(self, model, x, y, loss_fn, precision, *, grad_accum_steps, last_micro_step):
         """The MixedPrecisionPolicy casts parameters and inputs, so no autocast here. Under loss parallel

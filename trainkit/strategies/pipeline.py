@@ -108,18 +108,21 @@ class PipelineStrategy(Strategy):
         return pipeline_rank * self.options.data_parallel + self.data_parallel_rank
 
     def _mesh_groups(self) -> None:
-        if self.sharded:  # the run's mesh; FSDP reduces over the data-parallel ranks (no dp_group)
-            self.pp_group = self.device_mesh["pp"].get_group()
+        """The run mesh's groups (runtime.mesh.RunMesh): "pp" for the stages, and, for pipeline replicas
+        without sharding, "dp_replicate" for the gradient average (the mesh lays ranks out as
+        pp x dp_replicate, `data_parallel` being the recipe's dp_replicate)."""
+        if self.sharded:  # FSDP reduces over the data-parallel ranks (no dp_group)
+            self.pp_group = self.run_mesh.group("pp")
             return
         if self.options.data_parallel == 1:
             return
-        from torch.distributed.device_mesh import init_device_mesh
-
         if self.world_size % self.options.data_parallel:
             raise SplitError(f"data_parallel {self.options.data_parallel} does not divide the world size {self.world_size}")
-        mesh = init_device_mesh(self.device.type, (self.pipeline_size, self.options.data_parallel),
-                                mesh_dim_names=("pp", "dp"))
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        replicas = self.run_mesh.degree("dp_replicate") if self.run_mesh is not None else 1
+        if replicas != self.options.data_parallel:
+            raise SplitError(f"the run's mesh has dp_replicate {replicas}; the pipeline needs "
+                             f"{self.options.data_parallel} replicas")
+        self.pp_group, self.dp_group = self.run_mesh.group("pp"), self.run_mesh.group("dp_replicate")
 
     def _average_gradients_over_pipelines(self) -> None:
         """The mean of each stage's accumulated gradients over its data-parallel peers: one coalesced
@@ -207,7 +210,7 @@ class PipelineStrategy(Strategy):
         self.num_stages = len(plan)
         self.stage_ids = stages_of_rank(self.pipeline_rank, self.num_stages, self.pipeline_size)
         precision = self.precision.name if self.precision else "fp32"
-        self.modules = [shard_stage(nested_stage(plan[i]).to(self.device), model, self.device_mesh, precision,
+        self.modules = [shard_stage(nested_stage(plan[i]).to(self.device), model, self.run_mesh, precision,
                                     self.performance) for i in self.stage_ids]
         self.stages = [PipelineStage(m, i, self.num_stages, self.device, group=self.pp_group)
                        for m, i in zip(self.modules, self.stage_ids)]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..recipe.blocks import FSDPOptions, PerformanceOptions
-from .fsdp import apply_fsdp, grad_norm_on_meshes, shard_mesh_of
+from .fsdp import apply_fsdp, grad_norm_on_meshes
 from .pipeline_stages import flatten_blocks
 from .tensor_parallel import PLAN_METHOD
 
@@ -45,11 +45,11 @@ def shard_stage(stage: nn.Module, model: nn.Module, mesh, precision_name: str,
     and on the stage root over the data-parallel mesh (the FSDP strategy's `apply_fsdp`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    shard_mesh = shard_mesh_of(mesh)
-    if mesh["tp"].size() > 1:
-        parallelize_module(stage, mesh["tp"], stage_plan(model, stage))
+    shard_mesh = mesh.view("fsdp")
+    if mesh.degree("tp") > 1:
+        parallelize_module(stage, mesh.view("tp"), stage_plan(model, stage))
         # one flattened (data-parallel, "tp") group: DTensor reduces a norm over both in one all-reduce
-        mesh[(*shard_mesh.mesh_dim_names, "tp")]._flatten()
+        mesh.view("fsdp_tp")
     # the units: the pipeline's own blocks (flatten_blocks), by their classes; not resharded after forward
     # (torchtitan's choice under pp: else each micro-batch gathers every unit again)
     units = sorted({type(block).__name__ for _, block in flatten_blocks(stage)})
