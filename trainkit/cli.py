@@ -22,6 +22,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number, 0 or more, got {text!r}")
+    return value
+
+
 def _positive_minutes(text: str) -> float:
     try:
         value = float(text)
@@ -390,8 +397,8 @@ trainkit data make-imagefolder /tmp/imagenet/train --classes 10 --per-class 50""
     m.add_argument("--classes", type=_positive, default=10)
     m.add_argument("--per-class", type=_positive, default=50)
     m.add_argument("--size", type=_positive, default=64)
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--val-per-class", type=int, default=0, metavar="N",
+    m.add_argument("--seed", type=_non_negative, default=0)
+    m.add_argument("--val-per-class", type=_non_negative, default=0, metavar="N",
                    help="also write N held-out images per class: DIR/train/ and DIR/val/ (default 0: DIR/<class>/)")
     m.set_defaults(func=cmd_make_imagefolder)
     m = data_sub.add_parser("make-corpus", help="write a synthetic-language text corpus (train.txt, eval.txt)")
@@ -426,7 +433,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for file in files:
         try:
             resolved = resolve(file, overrides)
-            found = _deep_problems(resolved) if args.deep else []
+            found = _tracking_warnings(resolved) + (_deep_problems(resolved) if args.deep else [])
         except RecipeError as err:
             found = err.problems
         if len(files) > 1:  # an override's or a shared fragment's problem is one per recipe: say which
@@ -458,6 +465,18 @@ def _naming_recipe(problem, recipe: str):
     if where.file != COMMAND_LINE and Path(where.file).resolve() != Path(recipe).resolve():
         return Problem(where, problem.path, f"{problem.message} (recipe {recipe})", problem.severity)
     return problem
+
+
+def _tracking_warnings(resolved) -> list:
+    """A warning when the recipe's tracking server is not the one the environment's MLflow credentials
+    belong to: they are not sent to it (tracking/credentials.py)."""
+    from .recipe.problems import Problem
+    from .tracking import credentials
+
+    tracking = resolved.recipe.tracking
+    why = credentials.withheld(tracking.uri) if tracking.enabled and tracking.uri else None
+    return [Problem(resolved.locate(("tracking", "uri")), "tracking.uri", resolved.redact_text(why), "warning")] \
+        if why else []
 
 
 def _deep_problems(resolved) -> list:
@@ -510,12 +529,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _data_problem(problem) -> bool:
-    """A problem of the recipe's data files (under `data:`), which `plan` reports without stopping."""
-    return problem.path == "data" or problem.path.startswith("data.")
+    """A data file or folder the recipe names that is not on this machine (preflight's "... not found"
+    under `data:`), which `plan` reports without stopping. Data that is there but wrong (a pickle that
+    would run code, a record without its field) still stops it."""
+    return (problem.path == "data" or problem.path.startswith("data.")) and " not found" in problem.message
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .console import survive_closed_output
     from .recipe import resolve
+
+    survive_closed_output()  # `trainkit run ... | head`: the run trains to the end when its reader leaves
 
     resolved = resolve(args.recipe, args.overrides)
     from .launch import launcher
@@ -571,11 +595,10 @@ def _write_or_print(text: str, output: Optional[str]) -> None:
 
 
 def cmd_k8s(args: argparse.Namespace) -> int:
-    import re
     import shutil
     import subprocess
 
-    from .cluster.k8s import APIS, K8sError, pytorchjob, trainjob
+    from .cluster.k8s import APIS, K8sError, check_names, pytorchjob, trainjob
     from .recipe import resolve
     from .recipe.problems import did_you_mean
 
@@ -587,9 +610,11 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         print(f"trainkit: --runtime and --with-runtime are for --api trainjob (a PyTorchJob references no "
               f"runtime)", file=sys.stderr)
         return EXIT_INVALID
-    if args.namespace and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
-        print(f"trainkit: --namespace {args.namespace!r} is not a valid Kubernetes namespace (lowercase letters, "
-              f"digits and '-', at most 63)", file=sys.stderr)
+    try:  # names Kubernetes would reject, before the recipe is read
+        check_names(namespace=args.namespace, run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret,
+                    runtime=args.runtime)
+    except K8sError as err:
+        print(f"trainkit: {err}; nothing written", file=sys.stderr)
         return EXIT_INVALID
     if args.gpus_per_node is not None and args.gpus_per_node < 0:
         print("trainkit: --gpus-per-node must be 0 or more", file=sys.stderr)
@@ -679,7 +704,7 @@ def cmd_make_imagefolder(args: argparse.Namespace) -> int:
     from .runtime.imagefolder_maker import make_imagefolder
 
     root = make_imagefolder(args.root, classes=args.classes, per_class=args.per_class, size=args.size, seed=args.seed,
-                            val_per_class=max(0, args.val_per_class))
+                            val_per_class=args.val_per_class)
     if args.val_per_class > 0:
         print(f"wrote {args.classes} classes x {args.per_class} training images to {root / 'train'} and "
               f"x {args.val_per_class} held-out images to {root / 'val'}, {args.size}px")
@@ -794,7 +819,12 @@ def _sync_one(run_dir) -> int:
     for line in losses:
         print(f"trainkit: {run_dir}: {line}", file=sys.stderr)
     if pending:
-        print(f"trainkit: {run_dir}: {pending} record(s) still pending: {error}", file=sys.stderr)
+        from .tracking.credentials import withheld_note
+        from .tracking.run import store_of
+
+        store = store_of(run_dir)
+        note = withheld_note(store) if store else ""
+        print(f"trainkit: {run_dir}: {pending} record(s) still pending: {error}{note}", file=sys.stderr)
         return EXIT_FAILED
     closing = recovery.closed(run_dir)  # a status this sync spooled is announced once the server holds it
     if closing:
@@ -858,6 +888,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from .scaffold import ScaffoldError, kind_of, listing, scaffold
@@ -871,7 +902,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 return EXIT_INVALID
             root = scaffold(action[1], action[2], Path(args.dir))
             python = sys.executable  # the environment that runs trainkit, activated or not
-            print(f"trainkit: wrote {root}\n  install: {python} -m pip install {root}\n"
+            # pip reads a bare `trainkit-NAME` as a name to fetch from the package index: show a path
+            local = str(root) if os.sep in str(root) else f".{os.sep}{root}"
+            print(f"trainkit: wrote {root}\n  install: {python} -m pip install {local}\n"
                   f"  test:    {python} -m pytest {root / 'tests'}")
             return EXIT_OK
         if len(action) > 1:

@@ -40,10 +40,33 @@ RUN_DIR_CLAIM = "trainkit-runs"  # the PVC trainkit's runtime mounts at RUN_DIR_
 PATCH_MANAGER = "trainkit"  # runtimePatches entries are keyed by who wrote them
 ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+SUBDOMAIN_RULE = ("a DNS-1123 subdomain: lowercase letters, digits, '-' and '.', starting and ending with a letter "
+                  "or digit, at most 253 characters")
+LABEL_RULE = ("a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or digit, at "
+              "most 63 characters")
 
 
 class K8sError(Exception):
     """The request cannot make a working job (exit 2, nothing written)."""
+
+
+def check_names(*, namespace: Optional[str] = None, run_dir_pvc: Optional[str] = None,
+                mlflow_secret: Optional[str] = None, runtime: Optional[str] = None) -> None:
+    """Refuse a name given on the command line that Kubernetes would reject (K8sError, naming the flag and the
+    rule): the API server refuses the whole manifest, or the pod waits forever for a volume it cannot mount.
+    A namespace is a DNS-1123 label; Secret, PersistentVolumeClaim and ClusterTrainingRuntime names are
+    DNS-1123 subdomains."""
+    for flag, value, what, label in (("--namespace", namespace, "namespace", True),
+                                     ("--run-dir-pvc", run_dir_pvc, "PersistentVolumeClaim name", False),
+                                     ("--mlflow-secret", mlflow_secret, "Secret name", False),
+                                     ("--runtime", runtime, "ClusterTrainingRuntime name", False)):
+        if value is None:
+            continue
+        pattern, limit, rule = (DNS_LABEL, 63, LABEL_RULE) if label else (DNS_SUBDOMAIN, 253, SUBDOMAIN_RULE)
+        if len(value) > limit or not pattern.fullmatch(value):
+            raise K8sError(f"{flag} {value!r} is not a valid Kubernetes {what}: it must be {rule}"
+                           + (f" (e.g. {TRAINKIT_RUNTIME} or {TORCH_RUNTIME})" if flag == "--runtime" else ""))
 
 
 @dataclass
@@ -132,6 +155,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
                gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
                mlflow_secret: str = "mlflow-credentials") -> Manifest:
     """The ConfigMap and the PyTorchJob that run this recipe on its launch.nnodes pods."""
+    check_names(namespace=namespace, run_dir_pvc=run_dir_pvc, mlflow_secret=mlflow_secret)
     recipe = resolved.recipe
     la = recipe.launch
     notes: list[str] = []
@@ -201,17 +225,14 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
         with_runtime: also write that runtime (install it once per cluster).
 
     Raises:
-        K8sError: an elastic node count (Trainer v2 has no elastic policy), a runtime name that is not a DNS
-            name, GPUs for a CPU recipe, --run-dir-pvc for an installed trainkit runtime.
+        K8sError: an elastic node count (Trainer v2 has no elastic policy), a name Kubernetes rejects
+            (check_names), GPUs for a CPU recipe, --run-dir-pvc for an installed trainkit runtime.
     """
     recipe = resolved.recipe
     la = recipe.launch
     notes: list[str] = []
     runtime = runtime or TRAINKIT_RUNTIME
-    if len(runtime) > 253 or not DNS_SUBDOMAIN.fullmatch(runtime):
-        raise K8sError(f"--runtime {runtime!r} is not a valid Kubernetes name (lowercase letters, digits, '-' and "
-                       f"'.', starting and ending with a letter or digit, at most 253): e.g. {TRAINKIT_RUNTIME} or "
-                       f"{TORCH_RUNTIME}")
+    check_names(namespace=namespace, run_dir_pvc=run_dir_pvc, mlflow_secret=mlflow_secret, runtime=runtime)
     if isinstance(la.nnodes, str):
         raise K8sError(f"launch.nnodes {la.nnodes!r} is elastic, and Kubeflow Trainer v2 has no elastic policy: a "
                        f"TrainJob has a fixed trainer.numNodes; pass launch.nnodes=N (with trainer.resume: auto a "

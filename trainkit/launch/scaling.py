@@ -133,7 +133,9 @@ def log_to_mlflow(folder: Path, points: list[Point], *, experiment: str, uri: Op
     import mlflow
 
     if uri:
-        mlflow.set_tracking_uri(uri)
+        from ..tracking import credentials
+
+        mlflow.set_tracking_uri(credentials.use(uri))  # only this server's credentials go to it
     mlflow.set_experiment(experiment)
     with mlflow.start_run(run_name=run_name) as run:
         for p in points:

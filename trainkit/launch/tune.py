@@ -10,6 +10,7 @@ are written by `tune_report`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -50,8 +51,9 @@ class Options:
 def check_options(resolved, recipe_path: str, options: Options, force: bool) -> None:
     """Everything that can be refused before the first trial (TuneError)."""
     recipe = resolved.recipe
-    if options.out.resolve() == Path(recipe_path).resolve() and not force:
-        raise TuneError(f"-o {options.out} would overwrite the input recipe; choose another path or pass --force")
+    if _same_file(options.out, Path(recipe_path)) and not force:
+        raise TuneError(f"-o {options.out} would overwrite the input recipe {recipe_path} (the same file, or a "
+                        f"link to it); choose another path or pass --force")
     if recipe.launch.nnodes not in (1, "1", "1:1"):
         raise TuneError(f"launch.nnodes is {recipe.launch.nnodes}: tune runs its trials on this node only "
                         f"(launch.nnodes=1); tune on one node, then use the tuned recipe everywhere")
@@ -66,6 +68,14 @@ def check_options(resolved, recipe_path: str, options: Options, force: bool) -> 
     unknown = options.allow - {"batch", "precision"}
     if unknown:
         raise TuneError(f"--allow: unknown {', '.join(sorted(unknown))}; accepted: batch, precision")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing `a` would write `b`: the same path, a symlink to it, or a hard link (one inode)."""
+    try:
+        return a.resolve() == b.resolve() or os.path.samefile(a, b)
+    except (OSError, RuntimeError):  # `a` does not exist yet (only its path can name `b`), or a symlink loop
+        return False
 
 
 class Tuner:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from .discovery import SUFFIXES
+from .discovery import SUFFIXES, path_exists
 
 OVERRIDE_FORMS = ("overrides are written key.path=value, +key.path=value (a new key under a free-form mapping) "
                   "or ~key.path (delete), e.g. trainer.max_steps=20")
@@ -30,7 +30,7 @@ def misspelled_overrides(args: Sequence[str]) -> list[str]:
             else:
                 found.append(f"{arg} -> {key}{value or '=VALUE'}")
         elif (_DOTTED_KEY.fullmatch(arg) and not arg.startswith("~") and following is not None
-              and "=" not in following and Path(arg).suffix not in SUFFIXES and not Path(arg).exists()):
+              and "=" not in following and Path(arg).suffix not in SUFFIXES and not path_exists(Path(arg))):
             found.append(f"{arg} {following} -> {arg}={following}")
     return found
 

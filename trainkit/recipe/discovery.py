@@ -25,10 +25,11 @@ def expand_recipe_paths(args: Sequence[str]) -> tuple[list[str], list[str]]:
     missing: list[str] = []
     for arg in args:
         path = Path(arg)
-        if path.is_dir():
+        exists = path_exists(path)
+        if exists and path.is_dir():
             found = sorted(str(p) for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()
                            and not is_partial(p.relative_to(path)))
-        elif path.exists():
+        elif exists:
             found = [arg]
         elif glob.has_magic(arg):
             found = sorted(p for p in glob.glob(arg, recursive=True) if Path(p).is_file())
@@ -43,11 +44,21 @@ def expand_recipe_paths(args: Sequence[str]) -> tuple[list[str], list[str]]:
 _OVERRIDE = re.compile(r"^([~+]?[A-Za-z_][\w\-]*(\.[\w\-]+)*=|~[A-Za-z_])")
 
 
+def path_exists(path: Path) -> bool:
+    """Whether a file or folder is there; False for a name no file can have (longer than the file system
+    allows: ENAMETOOLONG, which `Path.exists` raises rather than answers)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
     """(paths, overrides): `key=value`, `+key=value` and `~key` are overrides unless a file or folder
-    of that name exists, so `trainkit validate r.yaml strategy.zero_stage=2` means what it says."""
+    of that name exists, so `trainkit validate r.yaml strategy.zero_stage=2` means what it says; so is
+    any other argument holding `=` that names no file (the override grammar then says what is wrong)."""
     paths: list[str] = []
     overrides: list[str] = []
     for arg in args:
-        (overrides if _OVERRIDE.match(arg) and not Path(arg).exists() else paths).append(arg)
+        (overrides if (_OVERRIDE.match(arg) or "=" in arg) and not path_exists(Path(arg)) else paths).append(arg)
     return paths, overrides

@@ -14,6 +14,8 @@ import os
 from pathlib import Path, PurePath
 from typing import Any, Iterator, Optional
 
+from .confinement import UnreadablePath, outside, real_path
+
 PATH_COMPONENT_FIELDS: tuple[tuple[str, ...], ...] = (
     ("name",),               # <launch.run_dir>/<name>/
     ("launch", "rdzv_id"),   # <run dir>/logs/<rdzv_id>_<random>/ (torchelastic), defaults to name
@@ -53,18 +55,35 @@ def written_path_problem(value: str, environ: Optional[dict] = None) -> Optional
 
     A recipe may make trainkit write only under the working directory it runs in (relative paths
     without `..`) or under a folder the operator lists in TRAINKIT_WRITE_ROOTS (os.pathsep-separated,
-    absolute): a recipe from a pull request must not create files elsewhere on the machine."""
+    absolute): a recipe from a pull request must not create files elsewhere on the machine. The path
+    is then resolved (symlinks of its existing part followed, as `confinement` does for reads) and must
+    still lie there: a symlinked folder the checkout carries cannot lead out."""
     env = os.environ if environ is None else environ
     path = PurePath(value)
     if any(ord(c) < 32 for c in value):
         return f"got {value!r}: a path trainkit writes cannot contain control characters"
     if ".." in path.parts:
         return f"got {value!r}: a path trainkit writes cannot contain '..' (it would leave the working directory)"
+    roots = [PurePath(r) for r in env.get(WRITE_ROOTS_VAR, "").split(os.pathsep) if r.strip()]
     if path.is_absolute():
-        roots = [PurePath(r) for r in env.get(WRITE_ROOTS_VAR, "").split(os.pathsep) if r.strip()]
         if not any(path.is_relative_to(r) for r in roots):
             return (f"got {value!r}: trainkit writes absolute paths only under the folders listed in "
                     f"{WRITE_ROOTS_VAR}; use a path relative to the working directory, or list its folder there")
+    return _leaves_through_a_link(value, roots)
+
+
+def _leaves_through_a_link(value: str, roots: list[PurePath]) -> Optional[str]:
+    """Why `value`, with every symlink of its existing part followed, lies outside the working directory
+    and every write root (each resolved too), or None."""
+    try:
+        target = real_path(Path(value))
+        allowed = [real_path(Path.cwd()), *(real_path(Path(r)) for r in roots if r.is_absolute())]
+    except (UnreadablePath, OSError) as exc:
+        return f"got {value!r}: a path trainkit writes must resolve ({exc})"
+    if all(outside(target, root) for root in allowed):
+        return (f"got {value!r}: it resolves through a symlink to {target}, outside the working directory "
+                f"{allowed[0]}" + (f" and the folders listed in {WRITE_ROOTS_VAR}" if roots else "")
+                + " (trainkit writes only there)")
     return None
 
 

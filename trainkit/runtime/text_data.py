@@ -99,12 +99,48 @@ def read_texts(files: list[str], *, fmt: str = "auto", text_field: str = "text")
     builder = file_format(files[0], fmt)
     paths = [str(Path(f).expanduser().resolve()) for f in files]
     with tempfile.TemporaryDirectory(prefix="trainkit-text-") as cache:
-        ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=cache, keep_in_memory=True)
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own log of a bad line: ours says file:line
+        try:
+            ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=cache, keep_in_memory=True)
+        except Exception as exc:  # noqa: BLE001 - datasets wraps a parse error in a long chain: say file:line
+            where = _first_bad_record(files) if builder == "json" else None
+            cause = exc.__cause__ or exc
+            raise ValueError(where or f"{', '.join(files)}: cannot be read as {builder} ({cause})") from None
+        finally:
+            datasets.logging.set_verbosity(verbosity)
         field = "text" if builder == "text" else text_field
         if field not in ds.column_names:
             raise ValueError(f"{', '.join(files)}: the JSONL records have no field '{field}' (fields: "
                              f"{', '.join(ds.column_names)}); set data.text_field")
         return [t for t in ds[field] if isinstance(t, str) and t.strip()]
+
+
+def _first_bad_record(files: list[str]) -> Optional[str]:
+    """`FILE:LINE: why` for the first line of these JSONL files that is not one JSON object (a file that is
+    one JSON document, which `datasets` also reads, is skipped), or None. Only read after `datasets` failed."""
+    import json
+
+    for file in files:
+        with open(Path(file).expanduser(), encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    why = f"not JSON ({exc.msg} at column {exc.colno})"
+                else:
+                    if isinstance(record, dict):
+                        continue
+                    why = "JSON, but not an object"
+                try:
+                    fh.seek(0)
+                    json.load(fh)
+                    break  # one JSON document, not JSONL
+                except ValueError:
+                    return f"{file}:{number}: {why}; each line of a JSONL file is one JSON object"
+    return None
 
 
 def load_tokenizer(path: str):

@@ -101,7 +101,7 @@ def list_runs(uri: Optional[str] = None, experiment: Optional[str] = None, limit
               include_superseded: bool = False) -> str:
     """The newest runs; a job that continued in a new run shows its current run with the chain of
     earlier attempts (superseded runs are listed too with `include_superseded`)."""
-    uri = credentials.adopt(uri) if uri else default_uri()
+    uri = credentials.use(uri) if uri else default_uri()
     client = _client(uri)
     if experiment:
         exp = client.get_experiment_by_name(experiment)
@@ -171,7 +171,7 @@ def verdict_rows(runs) -> list[list[str]]:
 def compare(run_refs: Sequence[str], uri: Optional[str] = None, ui_url: str = "http://127.0.0.1:5000") -> str:
     """Side by side: params that differ, the bottleneck verdicts and step-time breakdowns, final and best
     metrics, throughput, wall time."""
-    uri = credentials.adopt(uri) if uri else default_uri()
+    uri = credentials.use(uri) if uri else default_uri()
     client = _client(uri)
     ids = _all_experiment_ids(client)
     runs = [_find_run(client, ids, ref) for ref in run_refs]
@@ -205,13 +205,17 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def ui(uri: Optional[str] = None, host: str = "127.0.0.1", port: int = 5000) -> int:
     """The MLflow UI, on loopback unless `host` says otherwise (it has no authentication)."""
-    uri = credentials.adopt(uri) if uri else default_uri()
+    from .ui_server import bind_problem, serve
+
+    uri = credentials.use(uri) if uri else default_uri()
+    problem = bind_problem(host, port)  # before starting: a URL on a port another process serves shows its store
+    if problem:
+        print(f"trainkit: {problem}", file=sys.stderr, flush=True)
+        return 1
     if host not in LOOPBACK_HOSTS:
         print(f"trainkit: warning: the MLflow UI has no authentication: binding {host} lets anyone who can "
               f"reach this machine on port {port} read every run and artifact (default: 127.0.0.1)",
               file=sys.stderr, flush=True)
-    from .ui_server import serve
-
     # one uvicorn worker: a UI for one person answers in a quarter of the time 4 workers take to start on 2 cores
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port),
            "--workers", "1"]

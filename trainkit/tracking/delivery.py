@@ -27,7 +27,7 @@ MAX_METRICS, MAX_PARAMS_TAGS = 1000, 100
 
 
 def default_uri(recipe_file: Optional[Path] = None) -> str:
-    """MLFLOW_TRACKING_URI (credentials moved to the environment), else the project's embedded SQLite
+    """MLFLOW_TRACKING_URI (its credentials in use: credentials.py), else the project's embedded SQLite
     store (store.py: the repository holding the recipe, or the current folder)."""
     return credentials.from_environment() or embedded_uri(recipe_file)
 
@@ -94,8 +94,9 @@ def deliver(run_dir: Path) -> tuple[int, Optional[str]]:
         if not records:
             return 0, None
         uri = state.get("uri") or next((r["uri"] for r in spool.records() if r["op"] == "create"), default_uri())
-        credentials.from_environment()  # `trainkit sync` in a new shell: MLFLOW_TRACKING_URI's credentials
-        uri = credentials.adopt(uri)  # a spool written before credentials were split off
+        # the environment's credentials only if they belong to this server (a spool written before
+        # credentials were split off brings its own)
+        uri = credentials.use(uri)
         try:
             client = client_for(uri)
         except Exception as exc:  # pragma: no cover - bad URI scheme
@@ -276,7 +277,7 @@ def server_status(run_dir: Path) -> Optional[str]:
     if not state.get("run_id"):
         return None
     try:
-        return client_for(state["uri"]).get_run(state["run_id"]).info.status
+        return client_for(credentials.use(state["uri"])).get_run(state["run_id"]).info.status
     except Exception:
         return None
 

@@ -80,9 +80,9 @@ def run_tags(recipe, environment: dict) -> dict[str, str]:
 
 
 def tracking_uri(recipe, recipe_file: Optional[Path] = None) -> str:
-    """Where the recipe's runs go: its `tracking.uri` (credentials moved to the environment), else
+    """Where the recipe's runs go: its `tracking.uri` (the environment holding only its credentials), else
     MLFLOW_TRACKING_URI or the embedded SQLite store of the project holding `recipe_file`."""
-    return credentials.adopt(recipe.tracking.uri) if recipe.tracking.uri else default_uri(recipe_file)
+    return credentials.use(recipe.tracking.uri) if recipe.tracking.uri else default_uri(recipe_file)
 
 
 def store_of(run_dir: Path) -> Optional[str]:
@@ -122,7 +122,7 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: 
                       {"op": "tags", "tags": {"trainkit.last_launch": launch_dir.name}}])
     pending, error = deliver(run_dir)  # creates the store and the run now, before any worker runs
     state = spool.state()
-    where = f"MLflow {state.get('uri', uri)}, experiment '{experiment}'"
+    where = f"MLflow {state.get('uri', uri)}, experiment '{experiment}'" + credentials.withheld_note(uri)
     if state.get("run_id"):
         where += f", run {state['run_id']}" + ("" if first else " (continued)")
     if error:
