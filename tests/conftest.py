@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -35,3 +36,47 @@ def one_rank(tmp_path_factory, corpus) -> list[float]:
     out = losses(run(tmp, path))
     assert len(out) == STEPS and out[-1] < out[0]
     return out
+
+
+# --------------------------------------------------------------------------- tiers: `pytest -m "not slow"`
+# A test that starts a process (a CLI subprocess, torchrun, an MLflow server, a browser) is marked
+# `slow` (or `distributed`, which implies it); the development tier `pytest -m "not slow"` is what
+# runs in-process. The check below is what keeps the marks true: a test that starts a process without
+# the mark fails, naming the mark to add (TRAINKIT_MARKER_AUDIT=FILE lists offenders instead).
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("distributed") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _launches_are_marked(request, monkeypatch):
+    import multiprocessing
+    import subprocess
+
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    started: list[str] = []
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def recording_popen(self, args, *a, **k):
+        started.append(str(args if isinstance(args, str) else " ".join(map(str, args)))[:120])
+        return popen_init(self, args, *a, **k)
+
+    def recording_start(self):
+        started.append(f"multiprocessing.Process({self.name})")
+        return process_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    yield
+    if started:
+        audit = os.environ.get("TRAINKIT_MARKER_AUDIT")
+        if audit:
+            with open(audit, "a") as f:
+                f.write(f"{request.node.nodeid}\t{started[0]}\n")
+        else:
+            pytest.fail(f"{request.node.nodeid} starts processes ({started[0]} ...) but is not marked slow: "
+                        f"add @pytest.mark.slow (or pytestmark = pytest.mark.slow) so `pytest -m 'not slow'` "
+                        f"stays the in-process tier", pytrace=False)

@@ -4,10 +4,14 @@ hand-written torchrun script."""
 
 from __future__ import annotations
 
+import pytest
 import json
 from pathlib import Path
 
 from run_helpers import mlp_recipe, trainkit
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,6 +18,9 @@ import pytest
 
 from run_helpers import mlp_recipe, trainkit
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 MONITOR = '''
 import json
 from typing import ClassVar, Literal

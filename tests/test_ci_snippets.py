@@ -2,6 +2,7 @@
 scratch repository using this checkout's hook, the GitHub Actions step's command and its
 annotations, and the VS Code schema as a JSON Schema that accepts a shipped recipe."""
 
+import pytest
 import json
 import os
 import re
@@ -14,6 +15,9 @@ import jsonschema
 import yaml
 
 from conftest import REPO, TRAINKIT
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 
 DOC = (REPO / "docs" / "validation-in-ci.md").read_text()
 GOOD = "name: ok\nmodel: {name: mlp}\ndata: {name: synthetic, batch_size: 8}\nstrategy: {name: ddp}\ntrainer: {max_steps: 5}\n"

@@ -14,6 +14,9 @@ import pytest
 
 from conftest import REPO, TRAINKIT
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 RECIPE = """\
 name: demo
 model: {name: mlp, args: {hidden: 16}}
@@ -75,6 +78,34 @@ def test_validate_takes_overrides_after_the_recipe(tmp_path):
     res = cli("validate", recipe, "strategy.zero_stage=2", cwd=tmp_path)
     assert res.returncode == 2 and "no such file" not in res.stderr
     assert res.stderr.startswith("override 'strategy.zero_stage=2': strategy.zero_stage: unknown key 'zero_stage'")
+
+
+def test_an_override_longer_than_a_file_name_gets_the_overrides_message(tmp_path):
+    """Issue 38 (e): each argument was first tried as a path, and a name over the file system's limit
+    raised 'File name too long' (exit 1) before the override was read."""
+    recipe = write(tmp_path, "r.yaml", RECIPE)
+    key, value = "trainer." + "k" * 300, "v" * 300
+    res = cli("validate", recipe, f"{key}=1", f"trainer.max_steps={value}", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert f"override '{key}=1': {key}: unknown key" in res.stderr
+    assert f"override 'trainer.max_steps={value}': trainer.max_steps: Input should be a valid integer" in res.stderr
+    assert "Traceback" not in res.stderr and "too long" not in res.stderr
+
+
+def test_data_helpers_refuse_bad_input_without_a_traceback(tmp_path):
+    """Issue 38 (d): a JSONL line that is not JSON surfaced as a `datasets` traceback; a negative
+    --val-per-class wrote a folder and exited 0."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "a b c"}\n\n{"text": "d e f"}\n{"text": broken\n{"text": "g"}\n')
+    res = cli("data", "train-tokenizer", data.name, "--out", "tok.json", "--vocab-size", "300", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("trainkit: error: docs.jsonl:4: not JSON (Expecting value at column 10)"), res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "tok.json").exists()
+    for flag, value in (("--val-per-class", "-2"), ("--seed", "-1")):  # numpy refused a negative seed
+        res = cli("data", "make-imagefolder", "imgs", "--classes", "1", "--size", "8", flag, value, cwd=tmp_path)
+        assert res.returncode == 2 and f"argument {flag}: expected a whole number, 0 or more" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+    assert not (tmp_path / "imgs").exists()
 
 
 def test_overrides_apply_to_each_recipe_and_messages_say_which(tmp_path):

@@ -221,6 +221,7 @@ def test_a_recipe_written_for_a_trainjob_must_match_its_node_count(tmp_path):
     assert d.values["nnodes"] == 2 and d.replaced == ["nnodes 4"]
 
 
+@pytest.mark.slow
 def test_trainkit_run_refuses_a_trainjob_with_another_node_count(tmp_path):
     from run_helpers import trainkit
 

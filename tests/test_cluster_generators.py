@@ -14,6 +14,9 @@ import yaml
 
 from run_helpers import mlp_recipe, trainkit
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CRD = SHARED / "k8s" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 CRDS = {"PyTorchJob": CRD, "TrainJob": SHARED / "k8s" / "trainer.kubeflow.org_trainjobs.v2.3.0.yaml",
@@ -95,6 +98,28 @@ def test_k8s_refuses_a_bad_namespace(tmp_path):
     recipe = mlp_recipe(tmp_path, "ns")
     r = trainkit(tmp_path, "k8s", str(recipe), "--image", "i", "--namespace", "Bad_NS", "-o", "x.yaml", timeout=60)
     assert r.returncode == 2 and "not a valid Kubernetes namespace" in r.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_k8s_refuses_secret_and_claim_names_kubernetes_rejects(tmp_path):
+    """Issue 38 (c): `--mlflow-secret No_Such/secret` was written ("wrote ...", exit 0) into a job the API
+    server rejects. Each name is checked by Kubernetes' own rule first, naming the flag and the rule."""
+    recipe = mlp_recipe(tmp_path, "names", launch={"backend": "gloo"})
+    for flag, bad, rule in (("--mlflow-secret", "No_Such/secret", "DNS-1123 subdomain"),
+                            ("--run-dir-pvc", "runs-", "DNS-1123 subdomain")):
+        r = trainkit(tmp_path, "k8s", str(recipe), "--image", "i", flag, bad, "-o", "x.yaml", timeout=60)
+        assert r.returncode == 2, r.output
+        assert f"{flag} {bad!r} is not a valid Kubernetes" in r.stderr and rule in r.stderr, r.stderr
+        assert "Traceback" not in r.output and "wrote" not in r.output and not (tmp_path / "x.yaml").exists()
+
+
+def test_kubernetes_names_follow_the_dns_1123_rules():
+    from trainkit.cluster.k8s import K8sError, check_names
+
+    check_names(namespace="ml-team", run_dir_pvc="runs.v2", mlflow_secret="a" * 253, runtime="torch-distributed")
+    for bad in ({"namespace": "ml.team"}, {"namespace": "a" * 64}, {"mlflow_secret": "a" * 254},
+                {"mlflow_secret": ""}, {"run_dir_pvc": "-runs"}, {"run_dir_pvc": "Runs"}, {"runtime": "a..b"}):
+        with pytest.raises(K8sError, match="DNS-1123"):
+            check_names(**bad)
 
 
 def test_sbatch_script_is_valid_bash_with_one_task_per_node(tmp_path):

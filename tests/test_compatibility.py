@@ -104,6 +104,7 @@ def test_the_committed_page_is_the_generators_output():
     assert page.read_text() == markdown(load_results()), f"regenerate it: {COMMAND}"
 
 
+@pytest.mark.slow
 def test_validate_refuses_a_refused_cell_naming_the_combination_and_what_to_use(tmp_path):
     """A refused cell, through the real `trainkit validate`: exit 2, the message of the rule that owns
     it (the pipeline's declared precisions), no traceback."""
@@ -128,6 +129,7 @@ def test_all_pairs_covers_every_pair_deterministically():
                 assert {(r[a], r[b]) for r in rows} == {(x, y) for x in axes[a] for y in axes[b]}
 
 
+@pytest.mark.slow
 def test_the_page_generator_is_a_command_without_torch():
     code = ("import sys, runpy; sys.argv = ['x', '--markdown']\n"
             "try: runpy.run_module('trainkit.recipe.compatibility', run_name='__main__')\n"

@@ -4,11 +4,15 @@ run tags on an experiment of the model-training kind, and `trainkit compare` sho
 
 from __future__ import annotations
 
+import pytest
 import json
 
 from mlflow.tracking import MlflowClient
 
 from run_helpers import mlp_recipe, trainkit
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def test_short_run_accounts_wall_time_logs_system_metrics_and_tags_the_verdict(tmp_path):

@@ -48,6 +48,7 @@ def row(output: str, name: str) -> str:
     raise AssertionError(f"no row {name!r} in:\n{output}")
 
 
+@pytest.mark.slow
 def test_port_in_use_too_few_visible_gpus_and_missing_data_root_each_fail_with_their_fix(tmp_path):
     with port_in_use() as port:
         recipe = mlp_recipe(tmp_path, "sick",
@@ -83,6 +84,7 @@ def test_port_in_use_too_few_visible_gpus_and_missing_data_root_each_fail_with_t
     assert all(c["fix"] for c in report["checks"] if c["status"] != "pass")
 
 
+@pytest.mark.slow
 def test_healthy_recipe_passes_with_estimates_stated(tmp_path):
     from trainkit.runtime.imagefolder_maker import make_imagefolder
 
@@ -100,6 +102,7 @@ def test_healthy_recipe_passes_with_estimates_stated(tmp_path):
     assert "standalone: torchrun binds a free localhost port" in row(result.stdout, "master port")
 
 
+@pytest.mark.slow
 def test_without_a_recipe_only_machine_checks_run_and_master_port_is_checked(tmp_path):
     with port_in_use() as port:
         result = trainkit(tmp_path, "doctor", MASTER_PORT=str(port))
@@ -110,6 +113,7 @@ def test_without_a_recipe_only_machine_checks_run_and_master_port_is_checked(tmp
     assert "data root" not in result.stdout
 
 
+@pytest.mark.slow
 def test_socket_interface_that_does_not_exist_fails(tmp_path):
     result = trainkit(tmp_path, "doctor", GLOO_SOCKET_IFNAME="nosuch0", NCCL_SOCKET_IFNAME="=nosuch1")
     ifname = row(result.stdout, "socket ifname")
@@ -117,6 +121,7 @@ def test_socket_interface_that_does_not_exist_fails(tmp_path):
     assert result.returncode == 1
 
 
+@pytest.mark.slow
 def test_invalid_recipe_exits_2(tmp_path):
     recipe = mlp_recipe(tmp_path, "typo", launch={"nproc_per_nod": 2})
     result = trainkit(tmp_path, "doctor", recipe.name)
@@ -124,6 +129,7 @@ def test_invalid_recipe_exits_2(tmp_path):
     assert "did you mean 'nproc_per_node'" in result.stderr
 
 
+@pytest.mark.slow
 def test_run_stops_before_launching_when_the_rendezvous_port_is_taken(tmp_path):
     with port_in_use() as port:
         recipe = mlp_recipe(tmp_path, "busy", launch={"nproc_per_node": 2, "rdzv_endpoint": f"127.0.0.1:{port}",
@@ -154,6 +160,7 @@ def test_nccl_interface_patterns_prefix_exact_and_exclude():
     assert _nccl_matches("^eth,lo", names) == ["ib0"]
 
 
+@pytest.mark.slow
 def test_a_multi_node_launch_refuses_an_endpoint_a_foreign_process_holds(tmp_path):
     """Issue 25, case 11: with several nodes a busy local endpoint may be this job's own store, so it
     was only a warning, and two agents then waited >= 60 s without a word. A holder that is no

@@ -54,6 +54,7 @@ def probe(script: str, policy: str) -> tuple[str, float]:
     return applied, float(figure)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not host_allocator.is_glibc(), reason="mallopt is glibc's")
 def test_retain_stops_the_kernel_refaulting_each_steps_tensors():
     """Guards that `retain` really changes what glibc does (remove the mallopt calls and the two
@@ -89,6 +90,7 @@ RELEASE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not host_allocator.is_glibc(), reason="mallopt is glibc's")
 def test_release_gives_freed_blocks_back_to_the_kernel():
     """Guards that `release` really lowers resident memory (FSDP's and DeepSpeed's CPU default): after 80 MiB of

@@ -45,6 +45,7 @@ COMMANDS = [("validate",), ("validate", "--format", "json"), ("validate", "--for
             ("doctor",), ("k8s", "--image", "trainer:1"), ("slurm",)]
 
 
+@pytest.mark.slow
 def test_defaults_outside_the_repository_are_refused_and_nothing_of_the_file_is_printed(repo):
     recipe = write(repo / "ci" / "r.yaml", {"defaults": ["../../.credentials_rsaparams"], **VALID,
                                             "precision": "${d}"})
@@ -59,6 +60,7 @@ def test_defaults_outside_the_repository_are_refused_and_nothing_of_the_file_is_
             assert "Traceback" not in r.output
 
 
+@pytest.mark.slow
 def test_an_interpolated_value_is_never_echoed_in_an_error(repo):
     """The operator may widen the root; an error about `${d}` or an environment value still says
     where the value came from, not what it is."""
@@ -73,6 +75,7 @@ def test_an_interpolated_value_is_never_echoed_in_an_error(repo):
         assert "${d}" in r.output and "${oc.env:TRAINKIT_TEST_OPTIMIZER}" in r.output, (command, r.output)
 
 
+@pytest.mark.slow
 def test_a_symlink_loop_in_defaults_is_a_positioned_error(repo):
     (repo / "ci" / "a.yaml").symlink_to("b.yaml")
     (repo / "ci" / "b.yaml").symlink_to("a.yaml")
@@ -83,6 +86,7 @@ def test_a_symlink_loop_in_defaults_is_a_positioned_error(repo):
         assert re.search(r"r\.yaml:\d+:\d+: defaults\[0\]", r.output) and "symlink loop" in r.output, (command, r.output)
 
 
+@pytest.mark.slow
 def test_a_file_name_with_a_newline_cannot_add_a_line_to_the_sbatch_script(repo):
     name = "x\ntouch PWNED\n.yaml"
     write(repo / name, VALID)
@@ -100,6 +104,7 @@ def test_a_file_name_with_a_newline_cannot_add_a_line_to_the_sbatch_script(repo)
     assert bad.returncode == 2 and "#SBATCH value" in bad.output
 
 
+@pytest.mark.slow
 def test_github_annotations_cannot_be_forged_by_a_key_or_file_name(repo):
     forged = "zz\n::warning file=README.md,line=1::LGTM"
     recipe = write(repo / "ci" / "r.yaml", json.dumps({**VALID, forged: 1, "also\n::add-mask::x": 2}))
@@ -119,6 +124,7 @@ class _Runs:
         return (os.system, (f"touch {self.mark}",))
 
 
+@pytest.mark.slow
 def test_a_cifar10_folder_that_would_run_code_is_refused_before_and_at_load(repo, tmp_path):
     folder = repo / "evil" / "cifar-10-batches-py"
     folder.mkdir(parents=True)
@@ -158,6 +164,7 @@ def test_a_cifar10_folder_that_would_run_code_is_refused_before_and_at_load(repo
               "seq_len": 8, "batch_size": 2, "generate": {}}, "task": {"name": "causal_lm"}},
     {"launch": {"nproc_per_node": 1, "rdzv_id": "r" * 300}},
 ])
+@pytest.mark.slow
 def test_a_recipe_cannot_make_the_run_write_outside_the_working_directory(repo, section):
     recipe = write(repo / "r.yaml", {**VALID, **section})
     r = trainkit(repo, "validate", recipe)
@@ -212,6 +219,7 @@ def not_loopback(seen: set) -> set:
     return {entry for entry in seen if not ipaddress.ip_address(entry[0]).is_loopback}
 
 
+@pytest.mark.slow
 def test_a_single_process_run_listens_on_no_port(tmp_path):
     """Issue 25, case 5: the in-process worker of a world-size-1 run served torch's TCPStore on every
     interface. It needs no rendezvous: while it trains, no process of the run listens on anything but
@@ -220,6 +228,7 @@ def test_a_single_process_run_listens_on_no_port(tmp_path):
     assert not not_loopback(seen), seen
 
 
+@pytest.mark.slow
 def test_a_single_node_run_of_several_processes_listens_on_loopback_only(tmp_path):
     """Issue 25, case 5: a 2-process run served torchrun's rendezvous store (the launcher's
     `pt_elastic` TCPStore) and rank 0's store on every interface, unauthenticated. Ranks on one node
@@ -232,3 +241,58 @@ def test_a_single_node_run_of_several_processes_listens_on_loopback_only(tmp_pat
     assert {env.get("GLOO_SOCKET_IFNAME") for env in WORKER_ENVIRONMENTS["pair"].values()} == {"lo"}
     command = next((tmp_path / "runs" / "pair" / "launches").glob("*/command.txt")).read_text()
     assert "--rdzv-endpoint=127.0.0.1:" in command and "--local-addr=127.0.0.1" in command, command
+
+
+LM = {"task": {"name": "causal_lm"}, "model": {"name": "transformer", "args": {"vocab_size": 512, "dim": 16,
+                                                                                 "layers": 1, "heads": 2, "seq_len": 8}}}
+
+
+def generated_text(folder: str) -> dict:
+    return {**VALID, **LM, "data": {"name": "text", "files": [f"{folder}/corpus/train.txt"],
+                                    "eval_files": [f"{folder}/corpus/eval.txt"], "tokenizer": f"{folder}/tok.json",
+                                    "seq_len": 8, "batch_size": 2, "generate": {"vocab_size": 300}}}
+
+
+@pytest.mark.slow
+def test_a_symlinked_folder_the_checkout_carries_cannot_lead_written_paths_out(tmp_path):
+    """Issue 38 (a): `..` was refused, but a symlinked folder inside the working directory was not
+    resolved, so data.generate and a TensorBoard log_dir wrote outside it through the link."""
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    (work / "inside").mkdir(parents=True)
+    outside.mkdir()
+    (work / "out").symlink_to(outside)  # a folder the checkout carries, pointing out of it
+    (work / "in").symlink_to(work / "inside")  # one pointing inside stays allowed
+    for folder in ("out", "in"):
+        write(work / f"tb-{folder}.yaml", {**VALID, "monitors": [{"name": "tensorboard", "log_dir": f"{folder}/tb"}]})
+        write(work / f"text-{folder}.yaml", generated_text(folder))
+
+    r = trainkit(work, "validate", "tb-out.yaml", "text-out.yaml")
+    assert r.returncode == 2 and "0 of 2 recipe(s) valid" in r.stdout, r.output
+    assert "Traceback" not in r.output
+    through = f"it resolves through a symlink to {outside}"
+    for field, value in (("monitors[0].log_dir", "out/tb"), ("data.files[0]", "out/corpus/train.txt"),
+                         ("data.eval_files[0]", "out/corpus/eval.txt"), ("data.tokenizer", "out/tok.json")):
+        line = next((x for x in r.stderr.splitlines() if f"{field}: got '{value}'" in x), None)
+        assert line and re.match(r"(tb|text)-out\.yaml:\d+:\d+: ", line) and through in line, (field, r.stderr)
+        assert f"outside the working directory {work}" in line
+    r = trainkit(work, "validate", "tb-in.yaml", "text-in.yaml")
+    assert r.returncode == 0, r.output
+    assert not list(outside.iterdir())
+
+
+def test_written_paths_are_resolved_before_the_write_roots_are_checked(tmp_path, monkeypatch):
+    from trainkit.recipe.paths import WRITE_ROOTS_VAR, written_path_problem
+
+    allowed, elsewhere = tmp_path / "allowed", tmp_path / "elsewhere"
+    allowed.mkdir()
+    elsewhere.mkdir()
+    (allowed / "link").symlink_to(elsewhere)
+    (allowed / "loop").symlink_to(allowed / "loop")
+    monkeypatch.chdir(allowed)
+    env = {WRITE_ROOTS_VAR: str(allowed)}
+    assert written_path_problem(str(allowed / "tb"), env) is None
+    assert written_path_problem("tb/events", env) is None
+    why = written_path_problem(str(allowed / "link" / "tb"), env)
+    assert why and f"resolves through a symlink to {elsewhere / 'tb'}" in why and WRITE_ROOTS_VAR in why
+    assert "resolves through a symlink" in written_path_problem("link/deeper/tok.json", {})
+    assert "must resolve" in written_path_problem("loop/tb", env)

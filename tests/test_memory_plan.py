@@ -59,6 +59,7 @@ def trainkit_in(procs: Path, tmp: Path, *args: str, timeout: float = 120) -> Res
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.mark.slow
 def test_plan_shows_memory_and_a_run_that_cannot_fit_is_refused_naming_what_fits(tmp_path, capsys):
     """Guards item 2: `trainkit plan` prints each rank's predicted memory part by part; in a 3 GiB
     container the same recipe (DDP, 2 ranks) does not fit, and `run` says so before any worker
@@ -169,6 +170,7 @@ def test_activations_too_big_for_any_host_get_checkpointing_and_accumulation_as_
     assert f"data.batch_size={batch}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_an_allocation_refused_under_an_address_space_limit_is_reported_as_out_of_memory(tmp_path):
     """Guards the rank's own OOM report: under `ulimit -v` (RLIMIT_AS, set with prlimit) torch's CPU
     allocator refuses the model's parameters (a RuntimeError, "DefaultCPUAllocator: can't allocate

@@ -15,6 +15,9 @@ from run_helpers import LAUNCH_TIMEOUT_S, env_for, mlp_recipe, summary
 from trainkit.runtime import threads
 
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 def launch_without_omp_setting(tmp, recipe) -> subprocess.CompletedProcess:
     """`trainkit run` as a user runs it: OMP_NUM_THREADS unset (the test helpers set it to 1)."""
     env = env_for(tmp)

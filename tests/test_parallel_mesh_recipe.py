@@ -222,6 +222,7 @@ def test_a_recipe_without_the_block_plans_as_before(tmp_path, capsys, monkeypatc
     assert re.search(r"^  parameters: +\S+ GiB  [\d,]+ x 4 B / 4$", text, re.M), text  # FSDP over all 4
 
 
+@pytest.mark.slow
 def test_validating_a_mesh_imports_no_torch(tmp_path):
     path = write(tmp_path, "{dp_shard: 2, tp: 2}")
     code = ("import sys; from trainkit.cli import main\n"

@@ -34,6 +34,9 @@ from grid_runs import RUNNER, Outcome, _write_corpus, problems_of, record
 from run_helpers import env_for, free_port
 from trainkit.recipe.compatibility.grid import Cell, merge
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 STEPS = 3  # checkpoints at steps 2 and 3: a resume on another mesh starts from step 2
 RTOL = 1e-5  # fp32: the same arithmetic split differently over the ranks (measured: see docs/strategies.md)
 LAUNCH_TIMEOUT_S = 400

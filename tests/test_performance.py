@@ -98,6 +98,7 @@ def test_sync_batchnorm_replaces_every_batchnorm_before_wrapping():
     assert not any(type(m) is nn.BatchNorm2d for m in model.modules())
 
 
+@pytest.mark.slow
 def test_compile_compiles_the_model_and_keeps_the_loss(tmp_path):
     """torch.compile on one process (the in-process launch): dynamo captured graphs and inductor
     compiled them, and the loss follows eager within 1e-4 relative over 4 steps -- inductor fuses
@@ -151,6 +152,7 @@ def test_performance_accepts_the_short_forms():
     ({"performance": {"channels_last": True}, "data": {"name": "synthetic", "batch_size": 8, "shape": [48]}},
      "channels_last", "4-D inputs"),
 ])
+@pytest.mark.slow
 def test_bad_performance_combinations_are_refused_with_the_line(tmp_path, sections, field, words):
     path = mlp_recipe(tmp_path, "bad", **sections)
     result = trainkit(tmp_path, "validate", "--deep", str(path))

@@ -5,12 +5,16 @@ torch at module level; an unknown kind is a clear error."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
 import sys
 
 from run_helpers import mlp_recipe, trainkit
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 
 TIMEOUT = 240
 

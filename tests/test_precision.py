@@ -242,6 +242,7 @@ dist.barrier(); dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_fsdp_blocks_keep_the_compute_dtype_and_only_the_root_output_is_fp32(precision):
     """Guards the torchtitan-style policy: blocks used to cast every output to fp32 (a round trip
@@ -261,6 +262,7 @@ def test_fsdp_blocks_keep_the_compute_dtype_and_only_the_root_output_is_fp32(pre
     assert seen["grads"] == ["torch.float32"]
 
 
+@pytest.mark.slow
 def test_loss_scaling_overflow_steps_are_skipped_not_counted_as_divergence(tmp_path):
     """Guards fp16 + grad_clip (issue 26): a step the GradScaler skips for inf gradients has an inf
     clipped norm by design (torch documents early overflows as expected); the non-finite guard counted

@@ -4,6 +4,8 @@ docs/ queries is in the scrape. A port already in use stops the launch with a me
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import re
@@ -46,6 +48,7 @@ def dashboard_metrics() -> set[str]:
     return {m for e in exprs for m in re.findall(r"\b(trainkit_[a-z0-9_]+)", e)}
 
 
+@pytest.mark.slow
 def test_live_metrics_move_during_training_and_cover_the_dashboard(tmp_path):
     port = free_port()
     recipe = mlp_recipe(tmp_path, "live", launch={"nproc_per_node": 1},
@@ -85,6 +88,7 @@ def test_live_metrics_move_during_training_and_cover_the_dashboard(tmp_path):
     assert scrape(port) == {}  # the server stops with the run
 
 
+@pytest.mark.slow
 def test_a_busy_port_stops_the_launch_naming_the_process(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -99,6 +103,7 @@ def test_a_busy_port_stops_the_launch_naming_the_process(tmp_path):
     assert not (tmp_path / "runs" / "busy" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_binding_beyond_loopback_warns(tmp_path):
     port = free_port()
     recipe = mlp_recipe(tmp_path, "exposed", launch={"nproc_per_node": 1}, trainer={"max_steps": 3},

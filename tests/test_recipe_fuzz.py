@@ -93,6 +93,7 @@ def test_random_overrides(tmp_path, overrides):
     outcome(path, overrides)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(min_size=1, max_size=200))
 def test_cli_exit_code_is_0_or_2_without_traceback(tmp_path, text):

@@ -140,6 +140,7 @@ def test_third_party_dataset_plugin_is_validated_by_its_own_options_model(tmp_pa
     assert "unknown key 'dims'; did you mean 'dim'?" in messages(err)[0]
 
 
+@pytest.mark.slow
 def test_only_the_named_plugins_are_imported(tmp_path):
     code = ("import sys; from trainkit.recipe import resolve; resolve(sys.argv[1]);"
             "print('trainkit_example_plugin.data' in sys.modules)")
@@ -149,6 +150,7 @@ def test_only_the_named_plugins_are_imported(tmp_path):
 
 
 # --------------------------------------------------------------------------- CLI
+@pytest.mark.slow
 def test_validate_exit_codes_and_summary(tmp_path):
     good = write(tmp_path, "good.yaml", VALID)
     bad = write(tmp_path, "bad.yaml", VALID.replace("ddp", "dpp"))
@@ -161,6 +163,7 @@ def test_validate_exit_codes_and_summary(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_validate_folder_skips_composition_fragments_and_reports_missing_paths(tmp_path):
     write(tmp_path, "recipes/base/fragment.yaml", "seed: 1\n")
     write(tmp_path, "recipes/a.yaml", VALID)
@@ -170,6 +173,7 @@ def test_validate_folder_skips_composition_fragments_and_reports_missing_paths(t
     assert "nope.yaml:1:1: no such file, folder or matching recipe" in res.stderr
 
 
+@pytest.mark.slow
 def test_validate_json_format_for_ci(tmp_path):
     bad = write(tmp_path, "bad.yaml", VALID.replace("max_steps: 10", "max_steps: -1"))
     res = cli("validate", "--format", "json", str(bad))
@@ -181,6 +185,7 @@ def test_validate_json_format_for_ci(tmp_path):
     assert gh.stdout.strip() == f"::error file={bad},line=5,col=22::trainer.max_steps: Input should be greater than 0 (got -1)"
 
 
+@pytest.mark.slow
 def test_validate_and_help_do_not_import_torch_deepspeed_or_mlflow():
     code = ("import sys; from trainkit.cli import main\n"
             "try:\n    main(['validate', *sys.argv[1:]])\nexcept SystemExit: pass\n"
@@ -192,12 +197,14 @@ def test_validate_and_help_do_not_import_torch_deepspeed_or_mlflow():
     assert "HEAVY []" in res.stdout, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_every_shipped_recipe_validates():
     res = cli("validate", "recipes")
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_schema_is_json_schema_with_every_plugin():
     jsonschema = pytest.importorskip("jsonschema")
     res = cli("schema")
@@ -214,6 +221,7 @@ def test_schema_is_json_schema_with_every_plugin():
     jsonschema.validate(data, schema)
 
 
+@pytest.mark.slow
 def test_bad_user_input_never_prints_a_traceback(tmp_path):
     for args in (["validate"], ["plan", str(tmp_path / "missing.yaml")], ["run", str(tmp_path / "x.yaml"), "a.b"],
                  ["nonsense"]):
@@ -222,6 +230,7 @@ def test_bad_user_input_never_prints_a_traceback(tmp_path):
         assert "Traceback" not in res.stderr, args
 
 
+@pytest.mark.slow
 def test_reference_docs_are_generated_from_the_schema():
     """docs/reference.md must equal `trainkit schema --markdown` (regenerate it when the schema changes)."""
     res = cli("schema", "--markdown")
@@ -230,6 +239,7 @@ def test_reference_docs_are_generated_from_the_schema():
         "docs/reference.md is stale: run `trainkit schema --markdown > docs/reference.md`"
 
 
+@pytest.mark.slow
 def test_plan_shows_the_resolved_recipe_what_it_implies_and_the_exact_torchrun_command(tmp_path):
     recipe = write(tmp_path, "r.yaml", VALID.replace("max_steps: 10", "max_steps: 10, grad_accum_steps: 2"))
     res = cli("plan", str(recipe), "data.batch_size=4")
@@ -244,6 +254,7 @@ def test_plan_shows_the_resolved_recipe_what_it_implies_and_the_exact_torchrun_c
     assert command.endswith("-m trainkit.runtime.worker '<run dir>'")
 
 
+@pytest.mark.slow
 def test_an_unwritable_output_folder_is_a_message_not_a_traceback(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import shutil
 
 import torch
 
 from run_helpers import mlp_recipe, summary, trainkit
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def test_corrupt_or_partial_newest_checkpoints_are_skipped_with_a_warning(tmp_path):

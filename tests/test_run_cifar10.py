@@ -3,11 +3,15 @@ a small folder in the real format trains end to end, and a missing batch file st
 
 from __future__ import annotations
 
+import pytest
 import pickle
 
 import numpy as np
 
 from run_helpers import mlp_recipe, summary, trainkit
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def write_cifar(root, per_batch=16, seed=0):

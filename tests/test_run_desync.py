@@ -13,6 +13,9 @@ from test_run_hang import _left_running
 
 from trainkit.runtime.checkpoint import newest_valid
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 COLLECTIVE_TIMEOUT_S = 90
 HANG_TIMEOUT_S = 5  # shorter than a failing rank's exit on a loaded machine: that exit is not a hang
 

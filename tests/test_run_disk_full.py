@@ -4,6 +4,7 @@ Mounting a tmpfs needs root, which the test machines and CI have (`.ci/run` runs
 
 from __future__ import annotations
 
+import pytest
 import os
 import signal
 import subprocess
@@ -16,6 +17,9 @@ from run_helpers import env_for, mlp_recipe, trainkit
 
 from trainkit.launch import failures
 from trainkit.runtime.checkpoint import newest_valid, problem_with
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import pickle
@@ -17,6 +18,9 @@ from mlflow.tracking import MlflowClient
 from run_helpers import free_port, mlp_recipe, trainkit
 
 from trainkit.runtime.checkpoint import newest_valid
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 
 HANG_TIMEOUT_S = 5
 COLLECTIVE_TIMEOUT_S = 90  # what ended such a run before: the hang must be declared long before it

@@ -8,6 +8,9 @@ import pytest
 from run_helpers import mlp_recipe, summary, trainkit
 
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 def test_imagefolder_run_with_workers_and_a_counted_corrupt_image(tmp_path):
     made = trainkit(tmp_path, "data", "make-imagefolder", "imgs", "--classes", "4", "--per-class", "8",
                     "--size", "40", "--seed", "1", timeout=120)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from run_helpers import mlp_recipe, trainkit
 
 from trainkit.runtime.checkpoint import step_folders
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def _finite_checkpoint_weights(folder) -> bool:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from run_helpers import mlp_recipe, trainkit
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def test_missing_data_root_and_unknown_torchvision_model_fail_before_launch(tmp_path):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 
 from mlflow.tracking import MlflowClient
 
 from run_helpers import mlp_recipe, trainkit
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def _snapshot(run_dir) -> dict:

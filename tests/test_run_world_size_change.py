@@ -3,9 +3,13 @@ repeated; strategies whose checkpoints cannot be resharded refuse with both worl
 
 from __future__ import annotations
 
+import pytest
 from collections import Counter
 
 from run_helpers import mlp_recipe, trainkit
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def _samples(folder) -> list[str]:

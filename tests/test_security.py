@@ -108,6 +108,7 @@ def _nothing_ran(tmp: Path, result: Result) -> None:
 
 
 # --------------------------------------------------------------------------- only model factories run
+@pytest.mark.slow
 def test_plain_validate_refuses_stdlib_paths_and_imports_nothing(corpus):
     tmp, files = corpus
     for case, (model, refused_early) in HOSTILE.items():
@@ -123,6 +124,7 @@ def test_plain_validate_refuses_stdlib_paths_and_imports_nothing(corpus):
             assert "is a model factory" in result.stdout
 
 
+@pytest.mark.slow
 def test_plain_validate_does_not_import_a_named_module(corpus):
     tmp, _ = corpus
     recipe = mlp_recipe(tmp, "side", model={"name": "sideeffect:f"})
@@ -131,6 +133,7 @@ def test_plain_validate_does_not_import_a_named_module(corpus):
     assert not (tmp / "pwned.imported").exists()
 
 
+@pytest.mark.slow
 def test_validate_deep_refuses_every_non_factory_and_accepts_real_factories(corpus):
     tmp, files = corpus
     paths = [str(files[c]) for c in (*HOSTILE, *ACCEPTED)]
@@ -150,6 +153,7 @@ def test_validate_deep_refuses_every_non_factory_and_accepts_real_factories(corp
         assert not [p for p in by_file.get(case, []) if p["severity"] == "error"], by_file[case]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["os-system", "function", "lambda", "plain-class", "torch-hub-load"])
 @pytest.mark.parametrize("command", ["plan", "doctor", "run"])
 def test_plan_doctor_and_run_refuse_before_anything_starts(corpus, case, command):
@@ -161,6 +165,7 @@ def test_plan_doctor_and_run_refuse_before_anything_starts(corpus, case, command
     assert not (tmp / "runs" / case).exists(), "a run directory was created"
 
 
+@pytest.mark.slow
 def test_plan_and_doctor_build_a_module_subclass_only_on_the_meta_device(corpus):
     tmp, files = corpus
     for command in ("plan", "doctor"):
@@ -173,6 +178,7 @@ def test_plan_and_doctor_build_a_module_subclass_only_on_the_meta_device(corpus)
 BAD_COMPONENTS = ["../../../escaped", "a/b", "..", "x\\y", "nul\x00byte", "line\nbreak", "tab\there"]
 
 
+@pytest.mark.slow
 def test_every_path_component_field_rejects_path_escapes(tmp_path):
     from trainkit.recipe.paths import PATH_COMPONENT_FIELDS
 
@@ -199,6 +205,7 @@ def test_every_path_component_field_rejects_path_escapes(tmp_path):
         assert mine[0]["line"] == written, (recipe.name, mine)
 
 
+@pytest.mark.slow
 def test_a_path_escaping_rdzv_id_is_refused_by_run_and_writes_nothing_outside(tmp_path):
     recipe = mlp_recipe(tmp_path, "escape", launch={"rdzv_id": "../../../escaped"})
     for command in ("validate", "plan", "run"):
@@ -207,6 +214,7 @@ def test_a_path_escaping_rdzv_id_is_refused_by_run_and_writes_nothing_outside(tm
     assert not list(tmp_path.rglob("escaped*")) and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_path_component_cannot_come_from_a_secret_variable(tmp_path):
     recipe = mlp_recipe(tmp_path, "named")
     recipe.write_text(recipe.read_text().replace("name: named", "name: ${oc.env:MY_API_TOKEN}", 1))
@@ -247,6 +255,7 @@ def test_ui_binds_loopback_by_default_and_warns_elsewhere(monkeypatch, capsys):
     assert build_parser().parse_args(["ui"]).host == "127.0.0.1"
     calls = []
     monkeypatch.setattr(ui_server, "serve", lambda cmd, health_url, announce: calls.append(cmd) or 0)
+    monkeypatch.setattr(ui_server, "bind_problem", lambda host, port: None)  # whether port 5000 is free here
     browse.ui("sqlite:///x.db")
     assert calls[-1][calls[-1].index("--host") + 1] == "127.0.0.1"
     assert "no authentication" not in capsys.readouterr().err
@@ -327,6 +336,7 @@ def test_environment_json_drops_secret_values_and_the_spool_keeps_a_bare_uri(sec
     assert create["uri"] == bare
 
 
+@pytest.mark.slow
 def test_credentials_in_tracking_uri_are_masked_by_plan(tmp_path):
     uri = f"http://{USER}:{PASSWORD}@127.0.0.1:9"
     recipe = mlp_recipe(tmp_path, "creds", tracking={"enabled": True, "uri": uri})

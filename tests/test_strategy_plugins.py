@@ -8,11 +8,15 @@ and the answers must be the same (a name check anywhere makes the subclass lose 
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
 import sys
 import textwrap
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 
 OPTIONS = '''
 from typing import ClassVar, Literal

@@ -139,6 +139,7 @@ VOCAB_FLOPS = 320
 
 
 # ----------------------------------------------------------------------------- tokenizer CLI
+@pytest.mark.slow
 def test_a_tokenizer_trained_by_the_cli_round_trips_the_corpus(tmp_path):
     from trainkit.runtime.text_data import load_tokenizer
 

@@ -14,6 +14,9 @@ import yaml
 from lm_runs import make_corpus, tiny_lm
 from run_helpers import trainkit, write_recipe
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -24,6 +24,9 @@ from tensor_parallel_runs import docs_example
 from trainkit.models import mlp
 from trainkit.strategies.tensor_parallel import apply_tensor_parallel
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 RUNS = Path(__file__).parent / "tensor_parallel_runs.py"
 LAUNCH_TIMEOUT_S = 180
 TOLERANCE = 1e-5  # fp32, relative (|a - b| / |b| per tensor); measured: losses <= 1.2e-7, gradients and weights <= 4.1e-6

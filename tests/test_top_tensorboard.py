@@ -3,6 +3,7 @@ a run; the `tensorboard` monitor's scalars read back with TensorBoard's own even
 
 from __future__ import annotations
 
+import pytest
 import os
 import pty
 import select
@@ -12,6 +13,9 @@ import sys
 import time
 
 from run_helpers import env_for, mlp_recipe, trainkit
+
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 def test_top_shows_ranks_phases_and_system_while_training(tmp_path):

@@ -9,6 +9,8 @@ In-process against a real SQLite store: the launcher's own `open_run` creates ea
 
 from __future__ import annotations
 
+import pytest
+
 from pathlib import Path
 
 import yaml
@@ -35,6 +37,7 @@ def project(tmp_path: Path) -> tuple[Path, Path]:
     return root, recipe
 
 
+@pytest.mark.slow
 def test_runs_started_from_two_folders_land_in_the_projects_one_store(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root, recipe = project(tmp_path)
@@ -59,6 +62,7 @@ def test_runs_started_from_two_folders_land_in_the_projects_one_store(tmp_path, 
     assert "from-the-root" in listing and "from-recipes" in listing
     served = []
     monkeypatch.setattr("trainkit.tracking.ui_server.serve", lambda cmd, health, announce: served.append(cmd) or 0)
+    monkeypatch.setattr("trainkit.tracking.ui_server.bind_problem", lambda host, port: None)  # 5999 free or not
     assert main(["ui", "--port", "5999"]) == 0
     assert served and served[0][served[0].index("--backend-store-uri") + 1] == f"sqlite:///{store}"
 

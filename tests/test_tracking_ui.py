@@ -21,6 +21,9 @@ from browser import CHROMIUM, Browser
 from run_helpers import env_for, free_port, mlp_recipe, stop_mlflow_server, trainkit
 from trainkit.tracking.browse import ui_link
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+
 def wait_until_serving(base: str, server: subprocess.Popen) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and server.poll() is None:

@@ -10,11 +10,15 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from run_helpers import mlp_recipe, trainkit
 
 from trainkit.launch import tune_stats
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 
 FAST = {"trainer": {"max_steps": 12, "log_every": 1, "checkpoint": {"every": 100, "keep": 1}}}
 
@@ -232,6 +236,19 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path):
     r = trainkit(tmp_path, "tune", str(recipe), "--budget", "0.02")
     assert r.returncode == 2 and "too small" in r.stderr and "--budget" in r.stderr
     assert not any((tmp_path / "runs").glob("*"))
+
+
+def test_a_hard_link_to_the_input_is_refused_as_the_output(tmp_path):
+    """Issue 38 (b): a symlink -o was caught (paths resolved), a hard link was not: the tuned recipe was
+    written through it over the input. Files are compared by identity, before any trial."""
+    recipe = mlp_recipe(tmp_path, "input", **FAST)
+    before = recipe.read_bytes()
+    (tmp_path / "linked.yaml").hardlink_to(recipe)
+    r = trainkit(tmp_path, "tune", str(recipe), "-o", "linked.yaml", "--steps", "12", "--budget", "1")
+    assert r.returncode == 2 and "-o linked.yaml would overwrite the input recipe" in r.stderr, r.output
+    assert "--force" in r.stderr and "Traceback" not in r.output
+    assert recipe.read_bytes() == before and not (tmp_path / "linked.report.md").exists()
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 def test_the_decision_rule_needs_a_gain_above_the_interval_and_the_noise():
