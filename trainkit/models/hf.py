@@ -1,6 +1,8 @@
-"""Hugging Face transformers causal LMs built from a config in the recipe (never downloaded):
+"""Hugging Face transformers causal LMs built from a config in the recipe, or from a local pretrained
+directory (never downloaded), optionally with PEFT LoRA adapters:
 
     model: {name: hf_causal_lm, args: {config: {model_type: llama, hidden_size: 256, ...}}}
+    model: {name: hf_causal_lm, args: {pretrained: models/my-llama, lora: {r: 8, target_modules: [q_proj, v_proj]}}}
 
 `AutoConfig.for_model(model_type, **config)` then `AutoModelForCausalLM.from_config`: random
 weights, no hub access. The wrapper returns the logits tensor, so tasks and strategies see the same
@@ -29,6 +31,21 @@ class HFCausalLM(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+
+    pretrained_dir: Optional[str] = None  # a local save_pretrained directory the runtime reads the weights from
+
+    def pretrained_name(self, parameter_name: str) -> str:
+        """This module's state-dict name as the pretrained safetensors call it (`checkpoint_name`)."""
+        return checkpoint_name(parameter_name)
+
+    def save_adapter(self, directory: str, state_dict: dict) -> bool:
+        """Write the LoRA adapter directory (PEFT's `save_pretrained`: adapter_config.json and
+        adapter_model.safetensors) from a full state dict of this module; False without adapters."""
+        if not hasattr(self.model, "peft_config"):
+            return False
+        inner = {k.removeprefix("model."): v for k, v in state_dict.items()}  # PEFT picks its adapters' keys
+        self.model.save_pretrained(directory, state_dict=inner, safe_serialization=True)
+        return True
 
     @property
     def max_seq_len(self) -> Optional[int]:
@@ -92,14 +109,51 @@ def max_positions(config: dict) -> Optional[int]:
     return None
 
 
-def hf_causal_lm(*, config: dict[str, Any]) -> HFCausalLM:
-    """Build a transformers causal LM from `config` (which names its `model_type`)."""
+def hf_causal_lm(*, config: Optional[dict[str, Any]] = None, pretrained: Optional[str] = None,
+                 lora: Optional[dict[str, Any]] = None) -> HFCausalLM:
+    """A transformers causal LM: from `config` (which names its `model_type`; random weights), or from a
+    local `pretrained` directory as `save_pretrained` writes it (its config.json; the weights are read
+    from its safetensors by the runtime after the strategy has placed the model: `runtime.pretrained`).
+    `lora`: PEFT LoRA adapters on the modules named ({r, alpha, dropout, target_modules}); the base is
+    frozen."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    options = dict(config)
-    model_type = options.pop("model_type", None)
-    if model_type is None:
-        raise ValueError("model.args.config needs model_type (e.g. llama, gpt2, qwen2)")
-    options.setdefault("use_cache", False)
-    hf_config = AutoConfig.for_model(model_type, **options)
-    return HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
+    if (config is None) == (pretrained is None):
+        raise ValueError("model.args needs exactly one of config (a new model) or pretrained (a local directory)")
+    if pretrained is not None:
+        hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True, trust_remote_code=False)
+        hf_config.use_cache = False
+    else:
+        options = dict(config)
+        model_type = options.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("model.args.config needs model_type (e.g. llama, gpt2, qwen2)")
+        options.setdefault("use_cache", False)
+        hf_config = AutoConfig.for_model(model_type, **options)
+    # fp32 master weights whatever dtype the checkpoint was saved in (its config's torch_dtype would
+    # otherwise build a bf16 model): `precision:` decides the compute dtype, as for every model
+    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    if lora:
+        model = with_lora(model, **lora)
+    wrapped = HFCausalLM(model)
+    wrapped.pretrained_dir = pretrained
+    return wrapped
+
+
+def with_lora(model: nn.Module, *, r: int = 8, alpha: float = 16, dropout: float = 0.0,
+              target_modules: Any = None) -> nn.Module:
+    """PEFT's LoRA on `model` (the ecosystem's format: `save_pretrained` of it is an adapter directory that
+    PEFT, vLLM and transformers load). The base weights are frozen; only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def checkpoint_name(parameter_name: str) -> str:
+    """The name a parameter of `HFCausalLM` has in the model's own safetensors: without the wrapper's
+    `model.` and PEFT's `base_model.model.` prefixes and `.base_layer` infix."""
+    name = parameter_name.removeprefix("model.")
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")

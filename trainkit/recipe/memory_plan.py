@@ -42,6 +42,7 @@ class ModelSizes:
     micro_batch: int = 1  # the batch size the activations were traced with
     largest_unit_name: str = ""  # the class of the largest unit (TransformerBlock, Bottleneck, ...)
     blocks: int = 0  # how many blocks the model has (units FSDP shards, blocks checkpointing recomputes)
+    trainable: Optional[int] = None  # elements that train (LoRA: the adapters); None: all of them
 
 
 @dataclass(frozen=True)
@@ -173,18 +174,20 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     stored = low if (low and L.low_precision_parameters) else FP32  # parameters' and gradients' dtype
     offloaded_params = "host" if L.offload_parameters else "device"
     offloaded_state = "host" if L.offload_optimizer else "device"
+    T = P if sizes.trainable is None else sizes.trainable  # frozen weights have no gradients or optimizer state
+    frozen = "" if T == P else " (trainable only)"
     parts = [
         Part("parameters", P * stored // L.parameters, offloaded_params,
              f"{P:,} x {stored} B / {L.parameters}"),
-        Part("gradients", P * stored // L.gradients, offloaded_state,
-             f"{P:,} x {stored} B / {L.gradients}"),
+        Part("gradients", T * stored // L.gradients, offloaded_state,
+             f"{T:,} x {stored} B / {L.gradients}{frozen}"),
     ]
     if L.master_copy and (stored != FP32 or L.master_copy_in_fp32):
-        parts.append(Part("fp32 master weights", P * FP32 // L.optimizer, offloaded_state,
-                          f"{P:,} x 4 B / {L.optimizer} (the optimizer's own fp32 copy)"))
+        parts.append(Part("fp32 master weights", T * FP32 // L.optimizer, offloaded_state,
+                          f"{T:,} x 4 B / {L.optimizer} (the optimizer's own fp32 copy){frozen}"))
     if s.optimizer_tensors:
-        parts.append(Part("optimizer state", P * FP32 * s.optimizer_tensors // L.optimizer, offloaded_state,
-                          f"{P:,} x {s.optimizer_tensors} x 4 B / {L.optimizer}"))
+        parts.append(Part("optimizer state", T * FP32 * s.optimizer_tensors // L.optimizer, offloaded_state,
+                          f"{T:,} x {s.optimizer_tensors} x 4 B / {L.optimizer}{frozen}"))
     if L.gradient_bucket_elements:
         bucket = min(P, max(L.gradient_bucket_elements, min(sizes.largest_unit, 500_000_000))
                      if L.gradient_bucket_per_unit else L.gradient_bucket_elements)

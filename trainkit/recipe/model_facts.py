@@ -44,6 +44,15 @@ class ModelFacts:
         """
         return None, self.max_positions(args)
 
+    def loads_pretrained(self, args: dict) -> bool:
+        """The runtime reads pretrained weights into the built model (`runtime.pretrained`)."""
+        return False
+
+    def args_problems(self, args: dict) -> list[tuple[tuple, str]]:
+        """(path under model.args, message) for what is wrong with `args` before anything is built (validate;
+        no torch)."""
+        return []
+
     def tensor_parallel_refusal(self, tp: int, args: dict) -> Optional[str]:
         """Why the model built from `args` cannot be split over `tp` tensor-parallel ranks, or None if it can
         (validate; no imports). `args`: the recipe's model.args (heads and widths must divide by tp)."""
@@ -127,8 +136,29 @@ class HFCausalLMFacts(ModelFacts):
                     "constructor (or auto)")
     positions_key = "config"
 
+    def loads_pretrained(self, args: dict) -> bool:
+        return bool(args.get("pretrained"))
+
+    def args_problems(self, args: dict) -> list[tuple[tuple, str]]:
+        from .pretrained_dir import directory_problems
+
+        problems = []
+        if bool(args.get("config")) == bool(args.get("pretrained")):
+            problems.append(((), "give exactly one of config (a new model from a config) or pretrained (a local "
+                                 "save_pretrained directory)"))
+        if args.get("pretrained"):
+            problems += [(("pretrained",), message) for message in directory_problems(str(args["pretrained"]))]
+        lora = args.get("lora")
+        if lora is not None and (not isinstance(lora, dict) or set(lora) - {"r", "alpha", "dropout", "target_modules"}):
+            problems.append((("lora",), "lora takes {r, alpha, dropout, target_modules}"))
+        return problems
+
     def max_positions(self, args: dict) -> Optional[int]:
         config = args.get("config")
+        if args.get("pretrained"):
+            from .pretrained_dir import read_config
+
+            config = read_config(str(args["pretrained"]))
         if isinstance(config, dict):
             for key in MAX_POSITION_KEYS:
                 if isinstance(config.get(key), int):
@@ -161,6 +191,11 @@ class HFCausalLMFacts(ModelFacts):
         from .problems import did_you_mean
 
         config = dict(args.get("config") or {})
+        if args.get("pretrained"):
+            from .pretrained_dir import read_config
+
+            config = {k: v for k, v in (read_config(str(args["pretrained"])) or {}).items()
+                      if not k.startswith("_") and k not in ("architectures", "transformers_version")}
         model_type = config.pop("model_type", None)
         try:  # deferred: transformers is an optional extra and slow to import
             from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES

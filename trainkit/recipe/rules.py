@@ -164,6 +164,19 @@ def sequence_fits_the_model(r: Recipe) -> Iterator[Finding]:
 
 
 @rule
+def model_args_are_usable(r: Recipe) -> Iterator[Finding]:
+    """The model family's own checks of its args (a pretrained directory's files, config and format), and a
+    strategy that cannot read pretrained weights into the model it holds."""
+    facts = facts_for(r.model.name)
+    for where, message in facts.args_problems(dict(r.model.args)):
+        yield ("model", "args", *where), message
+    why = r.strategy.capabilities().pretrained_load_refusal
+    if facts.loads_pretrained(dict(r.model.args)) and why:
+        yield ("strategy", "name"), (f"strategy {r.strategy.name} cannot read pretrained weights: {why}; use ddp or "
+                                     "fsdp (with a parallel: mesh for HSDP or tensor parallel)")
+
+
+@rule
 def split_strategies_need_a_splittable_model(r: Recipe) -> Iterator[Finding]:
     if r.strategy.capabilities().splits_model and not facts_for(r.model.name).splits_into_stages:
         yield ("strategy", "name"), (f"the {r.strategy.name} strategy splits an nn.Sequential of blocks at module "

@@ -53,6 +53,7 @@ def model_sizes(recipe: Any) -> ModelSizes:
     with torch.device("meta"):
         model = factory(spec.name)(**spec.args)
     parameters = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     blocks = repeated_blocks(model, recipe_block_names(recipe))
     units = [(sum(p.numel() for p in b.parameters()), type(b).__name__) for b in blocks]
@@ -62,7 +63,8 @@ def model_sizes(recipe: Any) -> ModelSizes:
     whole, checkpointed = (None, None) if batch is None else _trace(model, blocks, batch)
     return ModelSizes(parameters=parameters, buffer_bytes=buffers, largest_unit=largest, activation_bytes=whole,
                       checkpointed_activation_bytes=checkpointed, micro_batch=recipe.data.batch_size,
-                      largest_unit_name=name, blocks=len(blocks))
+                      largest_unit_name=name, blocks=len(blocks),
+                      trainable=None if trainable == parameters else trainable)
 
 
 def example_batch(recipe: Any) -> Optional[torch.Tensor]:

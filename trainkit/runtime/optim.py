@@ -10,6 +10,8 @@ from ..recipe.blocks import AdamOptions, SchedulerOptions, SGDOptions
 
 
 def build_optimizer(options: SGDOptions | AdamOptions, params) -> torch.optim.Optimizer:
+    """The optimizer over the trainable parameters (a frozen base -- LoRA -- gets no state at all)."""
+    params = [p for p in params if p.requires_grad]
     if options.name == "sgd":
         return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum,
                                weight_decay=options.weight_decay, nesterov=options.nesterov)

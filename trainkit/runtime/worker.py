@@ -34,7 +34,7 @@ from .. import registry
 from ..monitors.base import build_monitors, context
 from ..recipe import resolve
 from ..recipe.schema import Recipe
-from ..run_dir import CHECKPOINTS, METRICS, RECIPE
+from ..run_dir import ADAPTER, CHECKPOINTS, METRICS, RECIPE
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
 from . import accepted_changes, error_file, fatal, memory_watch, progress_record, resume
@@ -47,6 +47,7 @@ from .mesh import build_mesh
 from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
+from .pretrained import load_pretrained, save_adapter
 from .parent_watch import die_with_launcher, stop_when_launcher_falls_silent
 from .warnings_once import show_each_warning_once
 from .performance import prepare_model, set_backend_flags
@@ -112,6 +113,12 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
+    bare = strategy.unwrap(model)
+    if getattr(bare, "pretrained_dir", None):  # each rank reads its own slices (runtime.pretrained)
+        load_pretrained(bare, bare.pretrained_dir, bare.pretrained_name)
+        init = "pretrained"
+        if rank == 0:
+            print(f"trainkit: weights read from {bare.pretrained_dir}", flush=True)
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
     # per-rank randomness (augmentation, dropout), shared by the ranks of one tensor-parallel group (the
     # innermost mesh dimension: neighbouring ranks), whose replicated activations must drop the same units
@@ -171,6 +178,9 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     finally:
         _close_sinks([sink for sink in sinks if sink is not progress], failing=sys.exc_info()[0] is not None)
     memory_watch.phase("end of run")  # the replica check, summary and reports
+    adapter = save_adapter(strategy.unwrap(model), run_dir / ADAPTER, rank)
+    if adapter is not None:
+        summary["adapter"] = str(adapter)
     if summary["checkpoint"] is None and source is not None:
         summary["checkpoint"] = str(source)
     summary["resumed_from"] = str(source) if source else None

@@ -1,0 +1,68 @@
+"""Pretrained weights from a local Hugging Face directory (config.json + model.safetensors, or sharded
+model-0000x-of-0000n.safetensors with their index), read into the model after the strategy has placed
+it, each rank reading only its own slices.
+
+The library's mechanism: torch.distributed.checkpoint's `HuggingFaceStorageReader` plans the read from
+the state dict each rank holds -- whole tensors under DDP, each rank's DTensor shard under FSDP, HSDP and
+tensor parallel -- and copies the slices it asks for from the safetensors files (lazily, `get_slice`),
+converting the dtype (a bf16 checkpoint into fp32 parameters). Never `torch.load`: safetensors hold no
+code. What the files do not hold stays as built: LoRA adapters (their B matrices are zero, so the model
+starts as the checkpoint) and an output head tied to the embedding.
+
+Limit: the model is built by its factory before this (under FSDP an HF model is built whole on each rank,
+then sharded, then read), so building -- not reading -- holds one randomly initialised copy per rank
+for a moment; docs/models.md says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+def checkpoint_tensor_names(directory: Path) -> set[str]:
+    """The tensor names the directory's safetensors hold (read from their headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def load_pretrained(module: nn.Module, directory: str, to_checkpoint_name: Callable[[str], str]) -> list[str]:
+    """Read `directory`'s weights into `module` (the strategy's unwrapped model) in place; returns the
+    parameter names left as built (not in the checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    present = checkpoint_tensor_names(Path(directory))
+    state: dict[str, torch.Tensor] = {}
+    left: list[str] = []
+    for name, tensor in module.state_dict().items():
+        stored = to_checkpoint_name(name)
+        if stored in present and stored not in state:
+            state[stored] = tensor
+        else:
+            left.append(name)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    return left
+
+
+def save_adapter(module: nn.Module, directory: Path, rank: int):
+    """A LoRA run's adapter directory, written by rank 0 (PEFT's format). Only the trainable tensors are
+    gathered (`full_tensor()` of each DTensor shard, every rank taking part): the adapters, never the frozen
+    base. None for a model without adapters."""
+    save = getattr(module, "save_adapter", None)
+    if save is None or not getattr(getattr(module, "model", None), "peft_config", None):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    trainable = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+                 for name, p in module.named_parameters() if p.requires_grad}
+    if rank == 0:
+        save(str(directory), trainable)
+    return directory
