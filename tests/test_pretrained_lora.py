@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 
+from chat_fixtures import save_chat_tokenizer, write_chat
 from run_helpers import summary, trainkit, write_recipe
 
 pytestmark = pytest.mark.distributed
@@ -27,10 +28,11 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> str:
+def pretrained(tmp_path_factory, corpus) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny-llama")
+    save_chat_tokenizer(corpus["tokenizer"], folder)  # the directory carries its tokenizer and chat template
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -39,23 +41,32 @@ def pretrained(tmp_path_factory) -> str:
     return str(folder)
 
 
-def lora_run(tmp, name: str, corpus: dict, pretrained: str, strategy: dict) -> tuple:
+def chat_data(tmp, pretrained: str) -> dict:
+    """Chat SFT data: the tokenizer and chat template of the pretrained directory itself."""
+    return {"name": "chat", "files": [str(write_chat(tmp / "train.jsonl", 32, seed=0))],
+            "eval_files": [str(write_chat(tmp / "eval.jsonl", 8, seed=1))], "tokenizer": pretrained, "seq_len": 48,
+            "batch_size": 4}
+
+
+def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict) -> tuple:
     path = write_recipe(tmp, name, {
         "seed": 0, "task": {"name": "causal_lm"},
         "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained, "lora": LORA}},
-        "data": {"name": "text", "files": corpus["files"], "tokenizer": corpus["tokenizer"], "seq_len": 32,
-                 "batch_size": 4},
+        "data": data,
         "strategy": strategy, "optimizer": {"name": "adamw", "lr": 1e-2},
-        "trainer": {"max_steps": 3, "log_every": 1, "checkpoint": {"every": 3}},
+        "trainer": {"max_steps": 3, "log_every": 1, "checkpoint": {"every": 3}, "eval_every": 3, "eval_steps": 1},
         "launch": {"nproc_per_node": 2, "timeout_s": 180}, "tracking": {"enabled": False}})
     result = trainkit(tmp, "run", str(path))
     assert result.returncode == 0, result.output[-4000:]
     return path, tmp / "runs" / name
 
 
-@pytest.mark.parametrize("strategy", [{"name": "fsdp"}, {"name": "ddp"}], ids=["fsdp", "ddp"])
+@pytest.mark.parametrize("strategy,data", [({"name": "fsdp"}, "chat"), ({"name": "ddp"}, "text")],
+                         ids=["fsdp-chat", "ddp-text"])
 def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_peft_adapter(
-        tmp_path, corpus, pretrained, strategy):
+        tmp_path, corpus, pretrained, strategy, data):
+    """FSDP: a chat SFT run (the pretrained directory's own chat template; its evaluation counts exactly
+    the held-out conversations' assistant tokens, so nothing else is in the loss). DDP: plain text."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -63,8 +74,23 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
     from trainkit.models.hf import hf_causal_lm
     from trainkit.runtime.export import export
 
-    _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", corpus, pretrained, strategy)
+    block = chat_data(tmp_path, pretrained) if data == "chat" else {
+        "name": "text", "files": corpus["files"], "eval_files": corpus["eval_files"], "tokenizer": corpus["tokenizer"],
+        "seq_len": 32, "batch_size": 4}
+    _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", block, pretrained, strategy)
     assert summary(run_dir)["model_init"] == "pretrained"
+    if data == "chat":
+        from types import SimpleNamespace
+
+        from trainkit.runtime.chat_data import IGNORE, build_chat
+
+        held_out = build_chat(SimpleNamespace(**{**block, "files": block["eval_files"], "messages_field": "messages",
+                                                 "prompt_field": "prompt", "response_field": "response"}),
+                              split="train", seed=0)
+        responses = sum(int((targets != IGNORE).sum()) for _, targets in held_out)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        evaluated = [r for r in rows if "eval_tokens" in r]
+        assert evaluated and evaluated[-1]["eval_tokens"] == responses, (evaluated, responses)
     exported = tmp_path / "model.pt"
     export(str(run_dir / "checkpoints" / "step-00000003"), str(exported))
     state = torch.load(exported, weights_only=True)
