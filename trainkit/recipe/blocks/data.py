@@ -231,3 +231,33 @@ class TextData(DataOptions):
             if len(self.eval_files) > 1:
                 yield ("data", "eval_files"), ("data.generate writes one held-out file: list at most one in "
                                                "data.eval_files")
+
+
+class ChatData(DataOptions):
+    """Chat or instruction JSONL for supervised fine-tuning: a `messages` list ({role, content}) rendered
+    with the tokenizer's own chat template, or `prompt`/`response` fields (one user turn, one assistant
+    turn). The loss counts the assistant's tokens only; every sample is its own sequence (truncated to,
+    or padded up to, seq_len: no packing, so no sample ever attends to another)."""
+
+    component: ClassVar[str] = "trainkit.runtime.chat_data:build_chat"
+    name: Literal["chat"]
+    files: list[str] = Field(min_length=1, description="training JSONL files (one conversation per line)")
+    eval_files: list[str] = Field(default_factory=list, description="held-out JSONL files (eval loss on responses)")
+    tokenizer: str = Field(description="a Hugging Face tokenizer directory with a chat template (tokenizer.json + "
+                                       "tokenizer_config.json, as save_pretrained writes; e.g. the pretrained "
+                                       "model's own directory)")
+    seq_len: PositiveInt = Field(description="tokens per sequence: longer conversations are truncated, shorter "
+                                             "padded (padding never counts)")
+    messages_field: str = Field(default="messages", description="the JSONL field holding the conversation")
+    prompt_field: str = Field(default="prompt", description="without messages: the user's turn")
+    response_field: str = Field(default="response", description="without messages: the assistant's turn")
+
+    batches: ClassVar[str] = "tokens"
+
+    def loading_work(self) -> str:
+        return ""  # rendered and tokenized into memory when the dataset is built
+
+    def rules(self, recipe: Any) -> Iterator[Finding]:
+        if self.batches not in recipe.task.accepts:
+            yield ("data", "name"), (f"chat data yields token sequences, so it cannot train task {recipe.task.name}; "
+                                     "set task: {name: causal_lm}")
