@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainkit.run_dir import CHECKPOINTS
+
 BATCH_PER_RANK = 8
 
 
@@ -103,9 +105,18 @@ def worker(recipe_path: str, pairs: int, folder: str, out: str, device_type: str
     dist.destroy_process_group()
 
 
+def background_savers() -> list[str]:
+    """The built-in strategies whose checkpoint `async_save` writes in the background
+    (their options' Capabilities.background_save_refusal is empty)."""
+    from trainkit import registry
+
+    return [name for name in registry.names("strategies", builtin_only=True)
+            if not registry.load("strategies", name)(name=name).capabilities().background_save_refusal]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"])
+    parser.add_argument("--strategy", default="fsdp", choices=background_savers())
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=6)
@@ -123,7 +134,7 @@ def main() -> int:
         out = folder / "result.json"
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               __file__, "--pairs", str(args.pairs), "--device", args.device, "--worker", str(recipe), str(folder / "checkpoints"), str(out)]
+               __file__, "--pairs", str(args.pairs), "--device", args.device, "--worker", str(recipe), str(folder / CHECKPOINTS), str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             print(proc.stderr[-4000:], file=sys.stderr)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from trainkit.run_dir import CHECKPOINTS, checkpoint_name
+
 MEASURE = """
 import sys
 from pathlib import Path
@@ -68,7 +70,7 @@ def main() -> None:
                              text=True, env=env, timeout=1800)
         if run.returncode:
             raise SystemExit(f"the ZeRO-3 run failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
-        checkpoint = folder / "export-z3" / "checkpoints" / "step-00000001"
+        checkpoint = folder / "export-z3" / CHECKPOINTS / checkpoint_name(1)
         for _ in range(args.repeats):
             for how in ("deepspeed", "trainkit"):
                 out = subprocess.run([sys.executable, "-c", MEASURE, str(checkpoint), str(folder / f"{how}.pt"), how],

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from trainkit.run_dir import rank_memory_path
+
 GiB = 1 << 30
 CONFIGS = {
     "ddp": {"name": "ddp"},
@@ -35,8 +37,15 @@ CONFIGS = {
 BATCH_PER_RANK = 8
 
 
+def splits_model(strategy: dict) -> bool:
+    """The strategy block's ranks hold different layers (the pipeline's stages): they read one batch."""
+    from trainkit import registry
+
+    return registry.load("strategies", strategy["name"]).model_validate(strategy).capabilities().splits_model
+
+
 def write_recipe(folder: Path, label: str, strategy: dict, depth: int, steps: int, checkpoint: dict) -> Path:
-    pipeline = strategy["name"] == "pipeline"
+    pipeline = splits_model(strategy)
     recipe = {
         "name": f"plan-{label}", "seed": 0,
         "model": {"name": "mlp", "args": {"in_features": 1024, "hidden": 4096, "num_classes": 10, "depth": depth}},
@@ -67,7 +76,8 @@ def measured(path: Path, folder: Path, label: str) -> tuple[list[int], float]:
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
     if proc.returncode:
         raise SystemExit(f"{label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    records = sorted((folder / f"plan-{label}" / "live").glob("memory-rank*.json"))
+    every_rank = rank_memory_path(folder / f"plan-{label}", "*")  # RUN_DIR/live/memory-rank*.json
+    records = sorted(every_rank.parent.glob(every_rank.name))
     data = [json.loads(p.read_text()) for p in records]
     assert all(d["phase"] == "end of run" for d in data), data
     return [d["peak_bytes"] for d in sorted(data, key=lambda d: d["rank"])], time.perf_counter() - t0

@@ -60,9 +60,12 @@ BATCH_PER_RANK = 8
 def write_recipe(folder: Path, label: str, strategy: dict, host_allocator: str = "auto") -> Path:
     import yaml
 
-    pipeline = strategy["name"] == "pipeline"
+    from trainkit import registry
+
     strategy = dict(strategy)
     init = strategy.pop("init", "auto")
+    # ranks holding different layers (the pipeline's stages) read one batch
+    pipeline = registry.load("strategies", strategy["name"]).model_validate(strategy).capabilities().splits_model
     recipe = {
         "name": f"bench-{label}", "seed": 0, "model": {**MODEL, "init": init},
         "data": {"name": "synthetic", "batch_size": BATCH_PER_RANK * (2 if pipeline else 1), "num_samples": 64,
@@ -190,7 +193,7 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
               "lifecycle": lifecycle}
     if PHASES:  # the resets above cleared the process's own peak: the largest phase peak is the run's
         result.update(phases=phases, peak_bytes=max([setup_peak] + [max(p["fb_peak"], p["opt_peak"]) for p in phases]))
-    if recipe.strategy.name == "pipeline":
+    if recipe.strategy.capabilities().splits_model:
         result.update(stage_alone(strategy, model, x, loss_fn, recipe.strategy.microbatches, device))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)

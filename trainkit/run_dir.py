@@ -33,7 +33,18 @@ TRACKING = "tracking"  # the MLflow spool (tracking/spool.py)
 PROFILER = "profiler"  # the profiler monitor's traces
 TENSORBOARD = "tensorboard"  # the tensorboard monitor's default event folder
 MODEL = "model"  # the saved MLflow model (tracking.log_model)
+ADAPTER = "adapter"  # a LoRA run's PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
 SLURM = "slurm"  # the sbatch script's job logs (`trainkit slurm`)
+
+# RUN_DIR/checkpoints/: read by runtime/checkpoint_layout.py and runtime/resume.py, written by runtime/checkpoint.py
+CHECKPOINT_PREFIX = "step-"  # step-NNNNNNNN/: one checkpoint, named by its step (`checkpoint_name`)
+CHECKPOINT_TMP = ".tmp-"  # .tmp-step-NNNNNNNN/: a save in progress, or one that failed
+CHECKPOINT_ABANDONED = "abandoned-"  # abandoned-step-NNNNNNNN-<time>/: newer than the one a resume started from
+CHECKPOINT_META = "meta.json"  # written last: the step and every file's sha256; a folder without it is no checkpoint
+CHECKPOINT_RECIPE = "recipe.json"  # the resolved recipe that trained up to this checkpoint (the drift check)
+CHECKPOINT_RNG = "rng-rank{rank:05d}.pt"  # each rank's RNG state
+CHECKPOINT_TRAINER = "trainer.pt"  # the loop's state: step, epoch, position in the epoch, scheduler, scaler
+SET_ASIDE = ".before-"  # checkpoints.before-<launch>/, tracking.before-<launch>/: set aside by `resume: never`
 
 # RUN_DIR/launches/<timestamp>/ (beside its own recipe.yaml and recipe.resolved.yaml)
 COMMAND = "command.txt"  # the trainkit and torchrun command lines
@@ -81,7 +92,7 @@ LAYOUT = (
             "launch"),
     (FATAL_RESERVED, "the fatal marker's space, allocated by each launch so a rank can write it on a full disk"),
     (LOCK, "the launch that runs here now (removed when it ends)"),
-    (f"{CHECKPOINTS}/step-00000050/", "one checkpoint per saved step (see below)"),
+    (f"{CHECKPOINTS}/{CHECKPOINT_PREFIX}00000050/", "one checkpoint per saved step (see below)"),
     (f"{LOGS}/<rdzv-id>_*/attempt_<n>/<local rank>/", f"{RANK_STDOUT}, {RANK_STDERR}, {RANK_ERROR} (torchelastic)"),
     (f"{LAUNCHES}/<timestamp>/", f"{RECIPE}, {RESOLVED_RECIPE}, {COMMAND} (trainkit + torchrun command), "
                                  f"{ENVIRONMENT} (secret-looking variables keep their name, not their value), "
@@ -106,7 +117,7 @@ LAYOUT = (
     (f"{MODEL}/", "the saved MLflow model (`tracking.log_model`)"),
     (f"{SLURM}/", "the SLURM job's output (`trainkit slurm`)"),
     ("metrics.rewound-<time>-<step>.jsonl", "metrics of steps a restart or resume redid, set aside"),
-    (f"{CHECKPOINTS}.before-<launch>/, {TRACKING}.before-<launch>/",
+    (f"{CHECKPOINTS}{SET_ASIDE}<launch>/, {TRACKING}{SET_ASIDE}<launch>/",
      "set aside by a launch with `trainer.resume: never`"),
 )
 
@@ -135,8 +146,42 @@ def read_summary(run_dir: Path) -> dict:
 
 
 def has_summary(run_dir: Path) -> bool:
-    """Rank 0 wrote the end-of-training summary (which launch wrote it: `launch.launcher.completed`)."""
+    """Rank 0 wrote the end-of-training summary (whether training finished: `training_finished`)."""
     return summary_path(run_dir).is_file()
+
+
+def training_finished(run_dir: Path, since: Optional[float] = None) -> bool:
+    """Did training finish in RUN_DIR? The one rule: its summary (written after the final checkpoint) is
+    there, complete, written after `since` (a launch's start time: an earlier launch's summary does not
+    count), and names a complete checkpoint (its CHECKPOINT_META) of the last step."""
+    try:
+        summary = read_summary(run_dir)
+        if since is not None and summary_path(run_dir).stat().st_mtime < since:
+            return False  # an earlier launch's summary
+    except (OSError, ValueError):
+        return False
+    if not summary.get("checkpoint"):
+        return False
+    name = Path(summary["checkpoint"]).name  # the path may be relative to the launch's folder: look here
+    return name == checkpoint_name(int(summary.get("steps", -1))) and \
+        checkpoint_meta_path(Path(run_dir) / CHECKPOINTS / name).is_file()
+
+
+# --------------------------------------------------------------------------- checkpoints/
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint of `step` (step-00000050)."""
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_meta_path(folder: Path) -> Path:
+    """A checkpoint folder's CHECKPOINT_META: there only once every file is written."""
+    return Path(folder) / CHECKPOINT_META
+
+
+def set_aside_path(run_dir: Path, name: str, launch: str) -> Path:
+    """Where a launch with `trainer.resume: never` moves RUN_DIR/NAME (CHECKPOINTS, TRACKING) of the runs
+    before it."""
+    return Path(run_dir) / f"{name}{SET_ASIDE}{launch}"
 
 
 # --------------------------------------------------------------------------- metrics.jsonl

@@ -31,7 +31,8 @@ from ..recipe.launch_plan import run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
 from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
-                       LAUNCH_ID_VAR, TRACKING, clear_fatal, read_fatal, read_summary, summary_path, write_json)
+                       LAUNCH_ID_VAR, TRACKING, clear_fatal, read_fatal, set_aside_path, training_finished,
+                       write_json)
 from ..runtime import preflight
 from ..runtime.accelerator import accelerator_for
 from ..tracking import run as tracking
@@ -93,12 +94,12 @@ def prepare_run_dir(resolved, recipe_path: str, overrides: Sequence[str], start_
     clear_fatal(run_dir)  # a new launch is a deliberate retry
     ckpts = run_dir / CHECKPOINTS
     if start_fresh and ckpts.is_dir() and any(ckpts.iterdir()):
-        aside = run_dir / f"{CHECKPOINTS}.before-{launch_dir.name}"
+        aside = set_aside_path(run_dir, CHECKPOINTS, launch_dir.name)
         ckpts.rename(aside)
         print(f"trainkit: resume: never: moved the previous checkpoints to {aside}")
     spool = run_dir / TRACKING
     if start_fresh and spool.is_dir():
-        spool.rename(run_dir / f"{TRACKING}.before-{launch_dir.name}")  # a fresh MLflow run
+        spool.rename(set_aside_path(run_dir, TRACKING, launch_dir.name))  # a fresh MLflow run
     source = resolved.redact_text(recipe_path + (" " + " ".join(overrides) if overrides else ""))
     composed = ("# Composed by trainkit from " + source + "\n# ${oc.env:...} references are resolved by each "
                 "worker from its environment; recipe.resolved.yaml shows the values (secrets as ***)\n"
@@ -279,20 +280,13 @@ def _closing_first():
 
 
 def completed(run_dir: Path, launch_dir: Optional[Path]) -> bool:
-    """Did that launch finish training? Its summary.json (written after the final checkpoint) is
-    there, complete, newer than the launch, and names a complete checkpoint of the last step."""
+    """Did that launch finish training? `run_dir.training_finished`, counting only a summary written
+    after the launch started (its command file)."""
     try:
-        summary = read_summary(run_dir)
-        if launch_dir is not None and summary_path(run_dir).stat().st_mtime < \
-                (launch_dir / COMMAND).stat().st_mtime:
-            return False  # an earlier launch's summary
-    except (OSError, ValueError):
+        since = (launch_dir / COMMAND).stat().st_mtime if launch_dir is not None else None
+    except OSError:
         return False
-    if not summary.get("checkpoint"):
-        return False
-    name = Path(summary["checkpoint"]).name  # the path may be relative to the launch's folder: look here
-    return name == f"step-{int(summary.get('steps', -1)):08d}" and \
-        (run_dir / CHECKPOINTS / name / "meta.json").is_file()
+    return training_finished(run_dir, since)
 
 
 def latest_launch(run_dir: Path) -> Optional[Path]:

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 from ..analysis import evidence as evidence_files
 from ..analysis.evidence import Evidence
 from ..processes import CLI
+from ..recipe.blocks.monitors import BreakdownMonitorOptions
 from ..run_dir import WARMUP_STEPS, measured_step_times, read_metrics, read_summary
 from .tune_plan import Arm
 from .tune_tracking import ParentRun, deliver_or_keep
@@ -54,8 +55,9 @@ class TrialRunner:
 
     def command(self, name: str, overrides: Sequence[str]) -> list[str]:
         monitors = list(self.resolved.raw.get("monitors") or [])
-        if not any((m if isinstance(m, str) else m.get("name")) == "breakdown" for m in monitors):
-            monitors.append("breakdown")  # every trial alike: the baseline's diagnosis needs it
+        if not any(m.writes_evidence for m in self.resolved.recipe.monitors):
+            # every trial alike: the baseline's diagnosis needs the evidence
+            monitors.append(BreakdownMonitorOptions.plugin_name())
         return [sys.executable, "-m", CLI, "run", self.recipe_path, *self.overrides, *overrides,
                 f"name={name}", f"tracking.run_name={name}", f"launch.run_dir={self.workdir / 'trials'}",
                 f"trainer.max_steps={self.steps}", "trainer.log_every=1", "trainer.resume=never",

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from .. import registry
 from ..machine import data_workers_per_rank, usable_cores, visible_gpus
-from .model_facts import facts_for
 from .problems import RecipeError
 
 Ask = Optional[Callable[[str, str], str]]
-STRATEGIES = ("ddp", "fsdp", "deepspeed", "pipeline")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -52,6 +51,14 @@ def _one_of(choices: tuple[str, ...], what: str) -> Callable[[str], Optional[str
         hint = f" ({text} is written {alias} in trainkit)" if alias else ""
         return f"{what} {text!r} is not one of: {', '.join(choices)}{hint}"
     return check
+
+
+def offered_strategies() -> dict[str, Any]:
+    """name -> options class of each built-in strategy `init` offers (its `init_order`), in that order;
+    each class writes its own block and comment (`init_block`, `init_note`)."""
+    offered = {name: registry.load("strategies", name) for name in registry.names("strategies", builtin_only=True)}
+    chosen = [(cls.init_order, name) for name, cls in offered.items() if cls.init_order is not None]
+    return {name: offered[name] for _, name in sorted(chosen)}
 
 
 def _whole(text: str) -> Optional[str]:
@@ -108,8 +115,11 @@ def write_recipe(args, ask: Ask) -> tuple[Path, str]:
                            "node0:29400", lambda v: None if v.rpartition(":")[2].isdigit() else
                            f"expected HOST:PORT, got {v!r}")
     world = gpus * nodes
-    strategy = _answer(args.strategy, ask, f"Strategy ({', '.join(STRATEGIES)})",
-                       "ddp", _one_of(STRATEGIES, "strategy"))
+    offered = offered_strategies()
+    choices = tuple(offered)
+    strategy = _answer(args.strategy, ask, f"Strategy ({', '.join(choices)})",
+                       choices[0], _one_of(choices, "strategy"))
+    options = offered[strategy]
     precision = _answer(args.precision, ask, f"Precision ({', '.join(PRECISIONS)})",
                         "bf16" if world > 1 else "fp32", _one_of(PRECISIONS, "precision"))
     tracking = _answer(args.tracking_uri, ask, "MLflow tracking server URI ('' for the local store, 'off' for none)",
@@ -129,8 +139,8 @@ def write_recipe(args, ask: Ask) -> tuple[Path, str]:
              f"model: {{name: {json.dumps(model)}{args_yaml}}}",
              f"# {data_note}",
              f"data: {data_yaml}",
-             f"# {_strategy_note(strategy, world)}",
-             f"strategy: {_strategy_yaml(strategy, world, model)}",
+             f"# {options.init_note(world)}",
+             f"strategy: {_strategy_yaml(options, world, model)}",
              f"# {_precision_note(precision)}",
              f"precision: {precision}",
              "optimizer: {name: adamw, lr: 0.001, weight_decay: 0.01}",
@@ -166,35 +176,11 @@ def _model_note(model: str) -> str:
     return "a built-in model; for your own, write 'package.module:factory'"
 
 
-def _strategy_yaml(strategy: str, world: int, model: str) -> str:
-    if strategy == "deepspeed":
-        return "{name: deepspeed, zero_stage: 3}"
-    if strategy == "pipeline":
-        return "{name: pipeline, microbatches: 4, schedule: 1f1b" + _split_points_yaml(model, world) + "}"
-    return f"{{name: {strategy}}}"
-
-
-def _split_points_yaml(model: str, stages: int) -> str:
-    """`, split_points: [...]` for a model the pipeline can only cut at named modules (validate refuses
-    it without them); empty for one it splits by itself."""
-    facts = facts_for(model)
-    if not facts.needs_split_points:
-        return ""
-    names = facts.split_points_for(stages)
-    if names is None:
-        raise InitError(f"the pipeline cuts {model} only at named split points, and init knows none for "
-                        f"{stages} stage(s); choose another strategy, or write strategy.split_points yourself "
-                        "(docs/strategies.md, Pipeline parallel)")
-    return f", split_points: [{', '.join(names)}]"
-
-
-def _strategy_note(strategy: str, world: int) -> str:
-    return {
-        "ddp": "DDP: every GPU holds the whole model; gradients are averaged (the fastest when the model fits)",
-        "fsdp": "FSDP2: parameters, gradients and optimizer state sharded across GPUs (models that do not fit one GPU)",
-        "deepspeed": "DeepSpeed ZeRO-3: everything sharded; zero_stage 1 or 2 shard less and communicate less",
-        "pipeline": f"pipeline: the model split into {world} stage(s), one per GPU; each batch in 4 micro-batches",
-    }[strategy]
+def _strategy_yaml(options: Any, world: int, model: str) -> str:
+    try:
+        return options.init_block(world, model)
+    except ValueError as exc:
+        raise InitError(str(exc)) from None
 
 
 def _precision_note(precision: str) -> str:

@@ -35,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..run_dir import CHECKPOINTS, METRICS, RECIPE
+from ..run_dir import CHECKPOINT_PREFIX, CHECKPOINTS, METRICS, RECIPE
 
 RESULT = "cell-result.json"
 
@@ -129,7 +129,8 @@ def _start_over(run_dir: Path) -> None:
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
-    return sorted(p for p in (run_dir / CHECKPOINTS).iterdir() if p.is_dir() and p.name.startswith("step-"))
+    return sorted(p for p in (run_dir / CHECKPOINTS).iterdir()
+                  if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
 
 
 def _drop_last_checkpoint(run_dir: Path) -> str:

@@ -22,8 +22,10 @@ from typing import Optional
 
 import torch
 
+from ..run_dir import (CHECKPOINT_ABANDONED, CHECKPOINT_META, CHECKPOINT_RECIPE, CHECKPOINT_RNG, CHECKPOINT_TRAINER,
+                       checkpoint_meta_path, checkpoint_name)
 from . import checkpoint_async
-from .checkpoint_layout import PREFIX, TMP, disk_full_message, disk_too_full, folder_bytes, step_folders, step_of
+from .checkpoint_layout import TMP, disk_full_message, disk_too_full, folder_bytes, step_folders, step_of
 from .files import fsync_dir, fsync_save, sha256_file
 
 
@@ -33,7 +35,7 @@ def recipe_hash(data: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-RECIPE_FILE = "recipe.json"  # the resolved recipe that trained up to this checkpoint (for drift checks)
+RECIPE_FILE = CHECKPOINT_RECIPE  # the resolved recipe that trained up to this checkpoint (for drift checks)
 
 
 def write_recipe(folder: Path, data: dict) -> None:
@@ -52,7 +54,7 @@ def saved_recipe(folder: Path) -> Optional[dict]:
 
 
 def saved_step(folder: Path) -> int:
-    return int(json.loads((folder / "meta.json").read_text())["step"])
+    return int(json.loads(checkpoint_meta_path(folder).read_text())["step"])
 
 
 # --------------------------------------------------------------------------- RNG
@@ -89,20 +91,20 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------- validity
 def problem_with(folder: Path) -> Optional[str]:
     """Why a checkpoint folder cannot be resumed from, or None if it is complete and intact."""
-    meta_path = folder / "meta.json"
+    meta_path = checkpoint_meta_path(folder)
     if not meta_path.is_file():
-        return "incomplete (no meta.json: the write was interrupted)"
+        return f"incomplete (no {CHECKPOINT_META}: the write was interrupted)"
     try:
         meta = json.loads(meta_path.read_text())
         files = meta["files"]
     except (ValueError, KeyError) as exc:
-        return f"meta.json is unreadable ({exc})"
+        return f"{CHECKPOINT_META} is unreadable ({exc})"
     for name, digest in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
         if sha256_file(path) != digest:
-            return f"{name} is corrupt (sha256 does not match meta.json)"
+            return f"{name} is corrupt (sha256 does not match {CHECKPOINT_META})"
     return None
 
 
@@ -168,7 +170,7 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
         self.wait()  # at most one save in flight: the previous one is written and sealed first
         s = self.strategy
-        final = self.dir / f"{PREFIX}{step:08d}"
+        final = self.dir / checkpoint_name(step)
         tmp = self.dir / f"{TMP}{final.name}"
         if s.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -177,11 +179,11 @@ class Checkpointer:
         try:
             if not self.in_background:
                 s.save_checkpoint(tmp, model, optimizer)
-            fsync_save(rng_state(), tmp / f"rng-rank{s.rank:05d}.pt")
+            fsync_save(rng_state(), tmp / CHECKPOINT_RNG.format(rank=s.rank))
             if s.rank == 0:
                 fsync_save(dict(trainer_state, recipe_sha256=self.recipe_sha256, world_size=s.world_size,
                                 data_parallel_size=s.data_parallel_size),
-                           tmp / "trainer.pt")
+                           tmp / CHECKPOINT_TRAINER)
                 write_recipe(tmp, self.recipe_data)
             if self.in_background and disk_too_full(self.dir):
                 # refused here, as a synchronous save would fail: in the background the write would fill
@@ -256,7 +258,7 @@ class Checkpointer:
     def _seal(self, tmp: Path, final: Path, step: int) -> None:
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = {"step": step, "files": files, "recipe_sha256": self.recipe_sha256, "created": time.time()}
-        with open(tmp / "meta.json", "w") as fh:
+        with open(checkpoint_meta_path(tmp), "w") as fh:
             json.dump(meta, fh, indent=2)
             fh.flush()
             os.fsync(fh.fileno())
@@ -280,11 +282,11 @@ class Checkpointer:
         if s.rank == 0 and folder.resolve().parent == self.dir.resolve():
             for newer in step_folders(self.dir):
                 if step_of(newer) > step_of(folder):
-                    aside = self.dir / f"abandoned-{newer.name}-{int(time.time())}"
+                    aside = self.dir / f"{CHECKPOINT_ABANDONED}{newer.name}-{int(time.time())}"
                     newer.rename(aside)
                     print(f"trainkit: note: {newer} is newer than the resumed checkpoint; moved to {aside}",
                           file=sys.stderr, flush=True)
-        state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
+        state = torch.load(folder / CHECKPOINT_TRAINER, map_location="cpu", weights_only=False)
         saved_world = state.get("world_size", s.world_size)
         if saved_world != s.world_size and not s.reshards_on_load:
             raise WorldSizeChanged(f"{folder} was saved by {saved_world} ranks and this launch has {s.world_size}: "
@@ -294,7 +296,7 @@ class Checkpointer:
             checkpoint_async.load_written_in_background(folder, model, optimizer)
         else:
             s.load_checkpoint(folder, model, optimizer)
-        rng = folder / f"rng-rank{s.rank:05d}.pt"
+        rng = folder / CHECKPOINT_RNG.format(rank=s.rank)
         if rng.is_file():
             set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
         elif s.rank == 0:

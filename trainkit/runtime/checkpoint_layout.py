@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-PREFIX = "step-"
-TMP = ".tmp-"  # a save in progress, or one that failed: `.tmp-step-...`
+from ..run_dir import CHECKPOINT_PREFIX as PREFIX
+from ..run_dir import CHECKPOINT_TMP as TMP  # a save in progress, or one that failed: `.tmp-step-...`
 
 
 def step_of(folder: Path) -> int:

@@ -25,7 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..recipe import drift
-from ..run_dir import CHECKPOINTS, has_summary
+from ..run_dir import CHECKPOINTS, checkpoint_meta_path, has_summary
 from . import fatal
 from .checkpoint import newest_valid, problem_with, saved_recipe, saved_step
 from .checkpoint_layout import step_folders, step_of
@@ -104,7 +104,7 @@ def _checkpoint_at_launch(resume: str, ckpt_dir: Path) -> Optional[Path]:
     if resume == "auto":
         return newest_valid(ckpt_dir, warn=False)
     checkpoint = Path(resume).expanduser()
-    return checkpoint if (checkpoint / "meta.json").is_file() else None
+    return checkpoint if checkpoint_meta_path(checkpoint).is_file() else None
 
 
 # --------------------------------------------------------------------------- on the ranks

@@ -21,3 +21,9 @@ class PluginBlock(Block):
     """A block selected by its ``name`` from a plugin registry."""
 
     component: ClassVar[str] = ""
+
+    @classmethod
+    def plugin_name(cls) -> str:
+        """The `name:` this options class accepts (its Literal tag)."""
+        annotation = cls.model_fields["name"].annotation
+        return str(getattr(annotation, "__args__", ("?",))[0])

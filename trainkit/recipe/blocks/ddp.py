@@ -23,6 +23,11 @@ class DDPOptions(StrategyOptions):
         default="none", description="gradient compression hook"
     )
     powersgd_rank: PositiveInt = Field(default=1, description="matrix approximation rank for comm_hook: powersgd")
+    init_order: ClassVar[int] = 0  # `trainkit init`'s first choice and its default
+
+    @classmethod
+    def init_note(cls, world_size: int) -> str:
+        return "DDP: every GPU holds the whole model; gradients are averaged (the fastest when the model fits)"
 
     def capabilities(self) -> Capabilities:
         return Capabilities(bucketed_allreduce=True, unsupported_performance={}, background_save_refusal="")

@@ -39,6 +39,15 @@ class DeepSpeedOptions(StrategyOptions):
     offload_param: Literal["none", "cpu", "nvme"] = Field(default="none", description="parameter offload (stage 3)")
     config: dict[str, Any] = Field(default_factory=dict, description="passed through to the DeepSpeed config")
     requires_packages: ClassVar[tuple[str, ...]] = ("deepspeed",)
+    init_order: ClassVar[int] = 2
+
+    @classmethod
+    def init_note(cls, world_size: int) -> str:
+        return "DeepSpeed ZeRO-3: everything sharded; zero_stage 1 or 2 shard less and communicate less"
+
+    @classmethod
+    def init_block(cls, world_size: int, model: str) -> str:
+        return f"{{name: {cls.plugin_name()}, zero_stage: 3}}"
 
     def capabilities(self) -> Capabilities:
         # ZeRO partitions are per rank (DeepSpeed's universal checkpoint is not used): no resharding on load.
@@ -47,6 +56,9 @@ class DeepSpeedOptions(StrategyOptions):
         # mesh: one data-parallel dimension, the one `parallel_dims` lays the world out on (ZeRO 1-3
         # partition over every rank: dp_shard; ZeRO 0 replicates); DeepSpeed builds its own groups.
         return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True,
+                            pretrained_load_refusal="DeepSpeed's engine keeps the model in its own flat partitions, "
+                            "which the Hugging Face reader trainkit uses (torch.distributed.checkpoint) does not fill "
+                            "(not built yet)",
                             background_save_refusal="DeepSpeed writes its checkpoints through its engine's own "
                                                     "save, which has no background write here",
                             owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release",

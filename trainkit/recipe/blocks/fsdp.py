@@ -22,6 +22,11 @@ class FSDPOptions(StrategyOptions):
     activation_checkpointing: bool = Field(default=False, description="deprecated: use performance."
                                                                       "activation_checkpointing: full (recomputes "
                                                                       "the wrapped units)")
+    init_order: ClassVar[int] = 1
+
+    @classmethod
+    def init_note(cls, world_size: int) -> str:
+        return "FSDP2: parameters, gradients and optimizer state sharded across GPUs (models that do not fit one GPU)"
 
     def capabilities(self) -> Capabilities:
         # cpu_offload: sharded parameters and gradients live on the CPU as DTensors, so clipping's

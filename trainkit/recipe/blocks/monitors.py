@@ -17,6 +17,9 @@ class MonitorOptions(PluginBlock):
     needs_forward_time: ClassVar[bool] = False
     needs_comm_time: ClassVar[bool] = False
     precise_timing: ClassVar[bool] = False  # CUDA events around the step phases
+    # it writes the bottleneck report's evidence (RUN_DIR/reports/breakdown.json), which `trainkit tune`
+    # reads from its baseline trial
+    writes_evidence: ClassVar[bool] = False
 
 
 class SystemMonitorOptions(MonitorOptions):
@@ -50,6 +53,7 @@ class BreakdownMonitorOptions(MonitorOptions):
     needs_forward_time: ClassVar[bool] = True
     needs_comm_time: ClassVar[bool] = True
     precise_timing: ClassVar[bool] = True
+    writes_evidence: ClassVar[bool] = True
     name: Literal["breakdown"]
 
 

@@ -31,6 +31,16 @@ class PipelineOptions(StrategyOptions):
     data_parallel: PositiveInt = Field(
         default=1, description="replicas of the whole pipeline, each reading its own share of the data (2-D: "
                                "world size = data_parallel x ranks per pipeline; gradients all-reduced per stage)")
+    init_order: ClassVar[int] = 3
+
+    @classmethod
+    def init_note(cls, world_size: int) -> str:
+        return f"pipeline: the model split into {world_size} stage(s), one per GPU; each batch in 4 micro-batches"
+
+    @classmethod
+    def init_block(cls, world_size: int, model: str) -> str:
+        return (f"{{name: {cls.plugin_name()}, microbatches: 4, schedule: 1f1b"
+                + _split_points_yaml(model, world_size) + "}")
 
     def capabilities(self) -> Capabilities:
         # stage files follow the stage count, which is the world size: no resharding on load (sharded stages'
@@ -40,6 +50,8 @@ class PipelineOptions(StrategyOptions):
         # channels_last: a traced ResNet's stage sent its NHWC activation and torch's P2P send refused it
         # ("input tensor has to be contiguous"; found by the compatibility grid)
         return Capabilities(splits_model=True, reshards_on_load=False,
+                            pretrained_load_refusal="its stages are re-built modules whose parameter names are not "
+                            "the checkpoint's (not built yet)",
                             background_save_refusal="the pipeline writes its checkpoint itself (one file per "
                                                     "stage, or, for sharded stages, DCP with one optimizer group "
                                                     "naming the whole model), with no background write",
@@ -163,6 +175,20 @@ class PipelineOptions(StrategyOptions):
 def sharded_stages(dims: ParallelDims) -> bool:
     """The pipeline's third layout: stages tensor-parallel and/or sharded with FSDP (torchtitan's 3-D)."""
     return dims.dp_shard > 1 or dims.tp > 1
+
+
+def _split_points_yaml(model: str, stages: int) -> str:
+    """`, split_points: [...]` for a model the pipeline can only cut at named modules (validate refuses
+    it without them); empty for one it splits by itself. ValueError where none are known for `stages`."""
+    facts = facts_for(model)
+    if not facts.needs_split_points:
+        return ""
+    names = facts.split_points_for(stages)
+    if names is None:
+        raise ValueError(f"the pipeline cuts {model} only at named split points, and init knows none for "
+                         f"{stages} stage(s); choose another strategy, or write strategy.split_points yourself "
+                         "(docs/strategies.md, Pipeline parallel)")
+    return f", split_points: [{', '.join(names)}]"
 
 
 def _split_points_fix(ranks: Optional[int], example: str) -> str:

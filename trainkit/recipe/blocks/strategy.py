@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, Iterator, Mapping, Optional
 
 from .base import Finding, PluginBlock
 from .knobs import Knob
@@ -74,6 +74,8 @@ class Capabilities:
     precisions: the `precision` values it trains in.
     mesh_dims: the mesh dimensions (`MESH_DIMS`) a `parallel:` block may give a degree above 1.
     unsupported_performance: performance option -> why this strategy cannot apply it, with the fix.
+    pretrained_load_refusal: why the strategy cannot read a pretrained directory's weights into the model it
+        holds ("": its model's state dict is plain tensors or DTensors, which DCP's Hugging Face reader fills).
     background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
         ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
     """
@@ -90,6 +92,7 @@ class Capabilities:
     precisions: frozenset = PRECISIONS
     mesh_dims: frozenset = frozenset({"dp_replicate"})
     unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
+    pretrained_load_refusal: str = ""
     background_save_refusal: str = ("its checkpoint is not declared to be the model's and optimizer's DCP state "
                                     "dicts (Capabilities.background_save_refusal), which is what a background "
                                     "write saves")
@@ -181,8 +184,16 @@ class StrategyOptions(PluginBlock):
         """The strategy's own `trainkit tune` knobs (each with `owner` set to the class that defines it)."""
         return []
 
+    # `trainkit init` offers the strategies that have an init_order, in that order (None: not offered)
+    init_order: ClassVar[Optional[int]] = None
+
     @classmethod
-    def plugin_name(cls) -> str:
-        """The `name:` this options class accepts (its Literal tag)."""
-        annotation = cls.model_fields["name"].annotation
-        return str(getattr(annotation, "__args__", ("?",))[0])
+    def init_note(cls, world_size: int) -> str:
+        """The comment `trainkit init` writes above this strategy's block: what it does, when to choose it."""
+        return cls.__doc__.splitlines()[0] if cls.__doc__ else cls.plugin_name()
+
+    @classmethod
+    def init_block(cls, world_size: int, model: str) -> str:
+        """The `strategy:` block `trainkit init` writes, as flow YAML, for `world_size` ranks training
+        `model`; ValueError (why, and what to do) where it cannot write one."""
+        return f"{{name: {cls.plugin_name()}}}"

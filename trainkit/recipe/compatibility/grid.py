@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
 
+from ... import registry
 from .meshes import MESH_ROWS, data_parallel, mesh_block, mesh_world
 from .pairwise import Covering, covering_rows
 from .results import load_results, refused_on
@@ -143,7 +144,7 @@ class Cell:
         block, batch = recipe["strategy"], recipe["data"]["batch_size"]
         microbatches = block.get("microbatches", 1)
         replicas = data_parallel(recipe, WORLD) if "parallel" in recipe else \
-            block.get("data_parallel", 1) if "microbatches" in block else WORLD
+            registry.load("strategies", block["name"]).model_validate(block).data_parallel_size(WORLD)
         ranks = replicas if MODELS[self.model].get("statistics_per_rank") else 1
         accum = recipe["trainer"].get("grad_accum_steps", 1) * microbatches
         reference = merge(recipe, {"strategy": {"name": "ddp"}, "launch": {"nproc_per_node": ranks},

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import yaml
 
+from ... import registry
 from ..blocks.strategy import MESH_DIMS
 from ..problems import RecipeError
 from ..resolver import resolve
@@ -126,6 +127,22 @@ def _resolved_dump(recipe: dict) -> Optional[dict]:
             return None
 
 
+def _is_strategy(options: Any, fragment: dict) -> bool:
+    """`options` is the strategy a grid fragment names -- by its options class, so that a plugin
+    subclassing it (`my_fsdp` of FSDP) is that strategy's cell -- with the fragment's settings."""
+    settings = {key: value for key, value in fragment.items() if key != "name"}
+    return isinstance(options, registry.load("strategies", fragment["name"])) and \
+        _holds(options.model_dump(), settings)
+
+
+def grid_strategy(options: Any, model: str) -> Optional[str]:
+    """The grid strategy these strategy options are, the most specific where several hold (fsdp+cpu_offload
+    over fsdp); None where none does."""
+    blocks = {s: strategy_block(s, model) for s in STRATEGIES}
+    held = [s for s, block in blocks.items() if _is_strategy(options, block)]
+    return max(held, key=lambda s: _size(blocks[s]), default=None)
+
+
 def axes_of(recipe: Any) -> Optional[dict[str, str]]:
     """The grid's axis values (strategy, model, precision, option, init) of a resolved recipe, matched by
     the grid's own fragments; the option is each performance/trainer setting that differs from the
@@ -134,8 +151,7 @@ def axes_of(recipe: Any) -> Optional[dict[str, str]]:
     model = next((m for m, f in MODELS.items() if _holds(dump["model"], {"name": f["model"]["name"]})), None)
     if model is None:
         return None
-    strategies = {s: {"strategy": strategy_block(s, model)} for s in STRATEGIES}
-    axes = {"model": model, "strategy": _most_specific(dump, strategies),
+    axes = {"model": model, "strategy": grid_strategy(recipe.strategy, model),
             "precision": _most_specific(dump, PRECISIONS), "init": _most_specific(dump, INITS)}
     if None in axes.values():
         return None
@@ -163,4 +179,5 @@ def verdict_for(recipe: Any, degrees: dict[str, int], results: Optional[dict] = 
                   results)
 
 
-__all__ = ["MISSING", "REFUSED", "VERIFIED", "Verdict", "axes_of", "lookup", "mesh_name", "verdict_for"]
+__all__ = ["MISSING", "REFUSED", "VERIFIED", "Verdict", "axes_of", "grid_strategy", "lookup", "mesh_name",
+           "verdict_for"]
