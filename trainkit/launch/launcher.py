@@ -30,6 +30,7 @@ from ..recipe import drift, secrets
 from ..recipe.launch_plan import run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
+from .rank_values import values_differing_by_rank
 from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
                        LAUNCH_ID_VAR, TRACKING, clear_fatal, read_fatal, set_aside_path, training_finished,
                        write_json)
@@ -128,6 +129,13 @@ def run(resolved, recipe_path: str, overrides: Sequence[str] = (), accept_change
     code = _check_before_launch(resolved, recipe_path)
     if code:
         return code
+    differing = values_differing_by_rank(recipe_path, overrides, resolved)
+    if differing:
+        print("trainkit: not started: recipe value(s) depend on the rank's environment, so the ranks would not "
+              "train the recipe that was validated and logged:\n  " + "\n  ".join(differing) + "\n  Give every "
+              "rank the same value (resolve it before launch, e.g. from a variable of the launching shell).",
+              file=sys.stderr, flush=True)
+        return 2
     recipe = resolved.recipe
     la = recipe.launch
     lock = LaunchLock(run_dir_for(recipe), job_identity(la.nnodes, la.rdzv_id or recipe.name, la.rdzv_endpoint),

@@ -1,0 +1,25 @@
+"""The recipe the ranks train is the one that was validated and logged (issue 38 #11): a value that a
+worker's own environment would change (`${oc.env:RANK,...}`) is refused before anything starts, naming
+it -- before, rank 1 trained at another learning rate than MLflow recorded, or a combination `validate`
+refuses started anyway and failed on one rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from run_helpers import mlp_recipe, trainkit
+
+pytestmark = pytest.mark.slow
+
+
+def test_values_that_differ_by_rank_are_refused_before_launch(tmp_path):
+    lr = mlp_recipe(tmp_path, "lr-by-rank", optimizer={"lr": "${oc.env:RANK,0.05}"})
+    result = trainkit(tmp_path, "run", str(lr), timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "optimizer.lr" in result.stderr and "depend on the rank's environment" in result.stderr, result.stderr
+    assert not (tmp_path / "runs" / "lr-by-rank" / "launches").exists()  # nothing started, nothing written
+
+    same = mlp_recipe(tmp_path, "same-everywhere", optimizer={"lr": "${oc.env:TRAINKIT_TEST_LR,0.05}"},
+                      trainer={"max_steps": 1, "checkpoint": {"every": 100}}, launch={"nproc_per_node": 1})
+    result = trainkit(tmp_path, "run", str(same), timeout=120)
+    assert result.returncode == 0, result.output[-3000:]  # an interpolation every rank resolves alike still runs
