@@ -69,8 +69,8 @@ def test_pytorchjob_validates_against_the_crd(tmp_path):
     pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["command"] == ["trainkit", "run", "/recipes/resnet.yaml"]
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 and c["resources"]["requests"]["cpu"] == 8
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in pod["volumes"]
     assert {"name": "runs", "persistentVolumeClaim": {"claimName": "runs-pvc"}} in pod["volumes"]
     assert {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.svc:5000"} in c["env"]
     assert any(e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "mlflow-credentials" for e in c["env"])
@@ -171,7 +171,9 @@ def test_trainjob_and_trainkit_runtime_validate_against_the_trainer_v2_crds(tmp_
     assert trainer["numNodes"] == nodes and trainer["image"] == "reg/trainkit:1"
     assert trainer["command"] == ["trainkit", "run", f"/recipes/{file}"]
     assert trainer["numProcPerNode"] == (4 if gpu else 2)
-    assert trainer["resourcesPerNode"] == ({"limits": {"nvidia.com/gpu": 4}} if gpu else {"requests": {"cpu": 2}})
+    resources = trainer["resourcesPerNode"]  # no resources given: node_resources' rules without a plan
+    assert resources["limits"].get("nvidia.com/gpu") == (4 if gpu else None)
+    assert resources["requests"]["cpu"] == (4 if gpu else 2) and resources["limits"]["memory"].endswith("Gi")
     env = {e["name"]: e for e in trainer["env"]}
     assert env["MLFLOW_TRACKING_URI"]["value"] == "https://mlflow.example:443"
     assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-credentials"
@@ -226,7 +228,7 @@ def test_trainjob_on_kubeflows_torch_runtime_brings_its_own_volumes(tmp_path):
     assert docs["TrainJob"]["spec"]["runtimeRef"] == {"name": "torch-distributed"}
     pod = (docs["TrainJob"]["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
            ["replicatedJobs"][0]["template"]["spec"]["template"]["spec"])
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in pod["volumes"]
     assert {"name": "runs", "persistentVolumeClaim": {"claimName": "runs-pvc"}} in pod["volumes"]
     assert {"name": "runs", "mountPath": "/trainkit/runs"} in pod["containers"][0]["volumeMounts"]
     _, notes = trainjob_docs(tmp_path, 2, False, runtime="torch-distributed")
@@ -283,11 +285,11 @@ def test_a_job_for_a_backend_auto_recipe_asks_which_and_a_gpu_job_requests_its_g
     assert "#SBATCH --gpus-per-node=4" in r.stdout and r.stdout.rstrip().endswith("launch.backend=nccl")
     docs, _ = k8s_docs(tmp_path, str(recipe), "--image", "i", "--gpus-per-node", "4")
     pod = docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 4}}
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert yaml.safe_load(docs[0]["data"]["auto.yaml"])["launch"]["backend"] == "nccl"
     docs, _ = k8s_docs(tmp_path, str(recipe), "--image", "i", "--api", "trainjob", "--gpus-per-node", "4")
     job = docs[-1]
-    assert job["spec"]["trainer"]["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 4}}
+    assert job["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 4
     validate(job)
     cpu = trainkit(tmp_path, "slurm", str(recipe), "--gpus-per-node", "0", timeout=60)
     assert cpu.returncode == 0 and "--gpus-per-node" not in cpu.stdout and "launch.backend=nccl" not in cpu.stdout

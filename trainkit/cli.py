@@ -231,6 +231,9 @@ trainkit k8s recipes/resnet152.yaml --api trainjob --runtime torch-distributed -
     p.add_argument("--run-dir-pvc", metavar="NAME", help="PersistentVolumeClaim for the run directory (shared storage)")
     p.add_argument("--mlflow-secret", default="mlflow-credentials", metavar="NAME",
                    help="Secret with the MLflow username/password keys (referenced, never inlined)")
+    p.add_argument("--rdma-resource", action="append", default=[], metavar="NAME[=COUNT]",
+                   help="an RDMA device plugin's resource per pod, e.g. rdma/hca_shared_devices_a=1 (repeatable): "
+                        "requested and limited, with the IPC_LOCK capability")
     p.add_argument("-o", "--output", metavar="FILE", help="write the manifest here (default: stdout)")
     p.add_argument("--dry-run", action="store_true", help="print the manifest only, even with --apply")
     p.add_argument("--apply", action="store_true", help="kubectl apply it (needs kubectl on PATH)")
@@ -599,6 +602,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     import subprocess
 
     from .cluster.k8s import APIS, K8sError, check_names, pytorchjob, trainjob
+    from .cluster.node_resources import parse_rdma
     from .recipe import resolve
     from .recipe.problems import did_you_mean
 
@@ -613,6 +617,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     try:  # names Kubernetes would reject, before the recipe is read
         check_names(namespace=args.namespace, run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret,
                     runtime=args.runtime)
+        rdma = parse_rdma(args.rdma_resource, K8sError)
     except K8sError as err:
         print(f"trainkit: {err}; nothing written", file=sys.stderr)
         return EXIT_INVALID
@@ -620,9 +625,10 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         print("trainkit: --gpus-per-node must be 0 or more", file=sys.stderr)
         return EXIT_INVALID
     resolved = resolve(args.recipe, args.overrides)
-    common = dict(image=args.image, namespace=args.namespace, gpus_per_node=args.gpus_per_node,
-                  run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret)
     try:
+        resources = _pod_resources(resolved.recipe, args.gpus_per_node, rdma)
+        common = dict(image=args.image, namespace=args.namespace, gpus_per_node=args.gpus_per_node,
+                      run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret, resources=resources)
         if args.api == "trainjob":
             manifest = trainjob(resolved, args.recipe, runtime=args.runtime, with_runtime=args.with_runtime, **common)
         else:
@@ -640,6 +646,21 @@ def cmd_k8s(args: argparse.Namespace) -> int:
             return EXIT_INVALID
         return subprocess.run(["kubectl", "apply", "-f", "-"], input=manifest.text(), text=True).returncode
     return EXIT_OK
+
+
+def _pod_resources(recipe, gpus_per_node, rdma: dict):
+    """What each pod asks for (trainkit/cluster/node_resources.py): its CPUs, and memory and /dev/shm from the
+    memory plan's host memory per rank and the DataLoader's shared memory (doctor's estimates)."""
+    from .cluster.k8s import gpus_for, nproc_for
+    from .cluster.node_resources import node_resources
+    from .doctor.resources import host_memory_per_rank, shm_need
+
+    gpus = gpus_for(recipe.launch, gpus_per_node)
+    nproc = nproc_for(recipe.launch, gpus)
+    host = host_memory_per_rank(recipe, "cuda" if gpus else "cpu")
+    shm = shm_need(recipe, nproc)
+    return node_resources(recipe, nproc, host_per_rank=host and host[0], shm_need=shm and shm[0], rdma=rdma,
+                          host_how=host[1] if host else "")
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ import yaml
 
 from ..recipe import secrets
 from . import gpus
+from .node_resources import NodeResources, node_resources, quantity
 from .quoting import comment_text
 
 API_VERSION = "kubeflow.org/v1"
@@ -104,7 +105,7 @@ def _job_name(recipe, notes: list[str]) -> str:
     return job
 
 
-def _gpus(la, gpus_per_node: Optional[int]) -> int:
+def gpus_for(la, gpus_per_node: Optional[int]) -> int:
     """nvidia.com/gpu per pod (cluster/gpus.py: nccl one per process, gloo none, auto: say it)."""
     gpus_per_node = gpus.gpus_per_node(la, gpus_per_node, K8sError)
     if gpus_per_node and "nproc_per_node" in la.model_fields_set and la.nproc_per_node > gpus_per_node:
@@ -153,14 +154,15 @@ _NO_SHARED_STORAGE = ("no --run-dir-pvc: each pod keeps its own run directory (c
 
 def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
                gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
-               mlflow_secret: str = "mlflow-credentials") -> Manifest:
-    """The ConfigMap and the PyTorchJob that run this recipe on its launch.nnodes pods."""
+               mlflow_secret: str = "mlflow-credentials", resources: Optional[NodeResources] = None) -> Manifest:
+    """The ConfigMap and the PyTorchJob that run this recipe on its launch.nnodes pods; each pod asks for
+    `resources` (cluster/node_resources.py; None: its rules without a memory plan)."""
     check_names(namespace=namespace, run_dir_pvc=run_dir_pvc, mlflow_secret=mlflow_secret)
     recipe = resolved.recipe
     la = recipe.launch
     notes: list[str] = []
     job = _job_name(recipe, notes)
-    gpu_count = _gpus(la, gpus_per_node)
+    gpu_count = gpus_for(la, gpus_per_node)
     if not run_dir_pvc:
         notes.append(_NO_SHARED_STORAGE)
     env, tracking = _tracking_env(resolved, mlflow_secret, notes)
@@ -177,10 +179,11 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
         "volumeMounts": [{"name": "recipe", "mountPath": RECIPES_MOUNT, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    if gpu_count:
-        container["resources"] = {"limits": {"nvidia.com/gpu": gpu_count}}
-    volumes: list[dict[str, Any]] = [{"name": "recipe", "configMap": {"name": f"{job}-recipe"}},
-                                     {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    resources = _resources(resolved.recipe, nproc_for(la, gpu_count), resources, notes)
+    container["resources"] = resources.requirements(gpu_count)
+    if resources.security_context():
+        container["securityContext"] = resources.security_context()
+    volumes: list[dict[str, Any]] = [{"name": "recipe", "configMap": {"name": f"{job}-recipe"}}, _dshm(resources)]
     if run_dir_pvc:
         container["volumeMounts"].append({"name": "runs", "mountPath": RUN_DIR_MOUNT})
         volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": run_dir_pvc}})
@@ -192,7 +195,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "trainkit", "trainkit/job": job}},
                              "spec": {"containers": [copy.deepcopy(container)], "volumes": copy.deepcopy(volumes)}}}
 
-    spec: dict[str, Any] = {"nprocPerNode": str(_nproc(la, gpu_count))}
+    spec: dict[str, Any] = {"nprocPerNode": str(nproc_for(la, gpu_count))}
     if isinstance(la.nnodes, str):  # MIN:MAX: elastic workers only; the operator names the c10d endpoint
         low, high = (int(x) for x in la.nnodes.split(":"))
         spec["elasticPolicy"] = {"minReplicas": low, "maxReplicas": high, "rdzvBackend": "c10d",
@@ -207,14 +210,15 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
     return Manifest([configmap, job_doc], job, notes)
 
 
-def _nproc(la, gpu_count: int) -> int:
+def nproc_for(la, gpu_count: int) -> int:
+    """Ranks per pod: launch.nproc_per_node when the recipe sets it, else one per GPU (at least one)."""
     return la.nproc_per_node if "nproc_per_node" in la.model_fields_set else (gpu_count or 1)
 
 
 def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
              gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
              mlflow_secret: str = "mlflow-credentials", runtime: Optional[str] = None,
-             with_runtime: bool = False) -> Manifest:
+             with_runtime: bool = False, resources: Optional[NodeResources] = None) -> Manifest:
     """The ConfigMap and the Kubeflow Trainer v2 TrainJob that run this recipe on launch.nnodes nodes, and with
     `with_runtime` trainkit's ClusterTrainingRuntime first.
 
@@ -223,6 +227,10 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
             trainkit wrote (the default name, or any name with `with_runtime`) brings /dev/shm and the shared run
             directory; any other (torch-distributed) gets them from the TrainJob's runtimePatches.
         with_runtime: also write that runtime (install it once per cluster).
+        resources: what each node asks for (cluster/node_resources.py; None: its rules without a memory
+            plan): `resourcesPerNode`, IPC_LOCK with RDMA devices, and /dev/shm's sizeLimit where the
+            TrainJob brings /dev/shm (a foreign runtime; trainkit's runtime, written once for every job,
+            has none: its /dev/shm is bounded by the pod's memory limit, which counts it).
 
     Raises:
         K8sError: an elastic node count (Trainer v2 has no elastic policy), a name Kubernetes rejects
@@ -244,8 +252,8 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
                        f"written with (default {RUN_DIR_CLAIM!r}) at {RUN_DIR_MOUNT}; pass --run-dir-pvc together "
                        f"with --with-runtime to write a runtime that mounts another claim, or drop it")
     job = _job_name(recipe, notes)
-    gpu_count = _gpus(la, gpus_per_node)
-    nproc = _nproc(la, gpu_count)
+    gpu_count = gpus_for(la, gpus_per_node)
+    nproc = nproc_for(la, gpu_count)
     shared = trainkit_runtime or bool(run_dir_pvc)
     if trainkit_runtime:
         notes.append(f"the runtime {runtime!r} mounts the PersistentVolumeClaim {run_dir_pvc or RUN_DIR_CLAIM!r} "
@@ -260,23 +268,25 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
         update["run_dir"] = RUN_DIR_MOUNT
     configmap = _recipe_configmap(resolved, recipe_path, job, namespace, tracking, update)
 
+    resources = _resources(recipe, nproc, resources, notes)
     trainer: dict[str, Any] = {"image": image, "command": ["trainkit", "run", f"{RECIPES_MOUNT}/{Path(recipe_path).name}"],
                                "numNodes": la.nnodes, "numProcPerNode": nproc,
-                               "resourcesPerNode": ({"limits": {"nvidia.com/gpu": gpu_count}} if gpu_count
-                                                    else {"requests": {"cpu": nproc}})}
+                               "resourcesPerNode": resources.requirements(gpu_count)}
     if env:
         trainer["env"] = env
     mounts: list[dict[str, Any]] = [{"name": "recipe", "mountPath": RECIPES_MOUNT, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "recipe", "configMap": {"name": f"{job}-recipe"}}]
     if not trainkit_runtime:  # a foreign runtime: /dev/shm and the run directory come from here
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volumes.append(_dshm(resources))
         if run_dir_pvc:
             mounts.append({"name": "runs", "mountPath": RUN_DIR_MOUNT})
             volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": run_dir_pvc}})
     patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": "node", "template": {"spec": {"template": {"spec": {
-            "containers": [{"name": "node", "volumeMounts": mounts}], "volumes": volumes}}}}}]}}}}
+            "containers": [{"name": "node", "volumeMounts": mounts,
+                            **({"securityContext": resources.security_context()} if resources.rdma else {})}],
+            "volumes": volumes}}}}}]}}}}
     job_doc = {"apiVersion": TRAINER_API_VERSION, "kind": "TrainJob", "metadata": _meta(job, namespace, job),
                "spec": {"runtimeRef": {"name": runtime}, "trainer": trainer, "runtimePatches": [patch]}}
     documents = [configmap, job_doc]
@@ -304,6 +314,20 @@ def training_runtime(*, image: str, name: str = TRAINKIT_RUNTIME, run_dir_pvc: O
                      "template": {"spec": {"replicatedJobs": [
                          {"name": "node", "template": {"metadata": {"labels": {ANCESTOR: "trainer"}},
                                                        "spec": {"template": {"spec": pod}}}}]}}}}
+
+
+def _resources(recipe, nproc: int, given: Optional[NodeResources], notes: list[str]) -> NodeResources:
+    """`given`, or the rules without a memory plan; its notes and how it was sized join the job's notes."""
+    resources = given or node_resources(recipe, nproc, host_per_rank=None, shm_need=None)
+    notes.extend(resources.notes)
+    if resources.how:
+        notes.append(resources.how)
+    return resources
+
+
+def _dshm(resources: NodeResources) -> dict:
+    """/dev/shm in memory, limited to the DataLoader's need (cluster/node_resources.py)."""
+    return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": quantity(resources.shm)}}
 
 
 def _meta(name: str, namespace: Optional[str], job: str) -> dict:

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from ..recipe.launch_plan import run_dir_for
 from ..run_dir import SLURM
 from . import gpus
+from .node_resources import cpus_per_node
 from .quoting import comment_text, shell_join, shell_word
 
 
@@ -42,7 +43,7 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
         raise SlurmError(f"launch.nproc_per_node {la.nproc_per_node} exceeds --gpus-per-node {gpus_per_node}")
     run_dir = run_dir_for(recipe)
     logs = run_dir / SLURM
-    cpus = cpus_per_task or max(1, la.nproc_per_node * max(1, (recipe.data.num_workers or 0) + 1))
+    cpus = cpus_per_task or cpus_per_node(la.nproc_per_node, recipe.data.num_workers)
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={recipe.name}",
              f"#SBATCH --nodes={la.nnodes}",
@@ -65,6 +66,9 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
               "set -euo pipefail",
               f"mkdir -p {shell_word(str(logs))}",
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}",
+              "# srun does not take --cpus-per-task from the allocation since Slurm 22.05: where CPUs are bound the",
+              "# step would get one, shared by the node's ranks and DataLoader workers",
+              "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK",
               f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output={shell_word(str(logs))}/%j.%t.log "
               + shell_join([*trainkit, "run", recipe_path, *overrides, *pinned]),
               ""]

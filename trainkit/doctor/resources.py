@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..recipe.launch_plan import run_dir_for
-from ..recipe.memory_plan import MemoryAdvice, MemoryPlan, fitting_changes, setting_of
+from ..recipe.memory_plan import RUNTIME_BYTES, MemoryAdvice, MemoryPlan, fitting_changes, setting_of
 from ..recipe.memory_mesh import mesh_alternatives
 from ..recipe.memory_plan import plan as plan_memory
 from ..runtime import memory_limits
@@ -32,6 +32,22 @@ def sample_bytes(data) -> Optional[int]:
     return math.prod(shape) * 4 + 8 if shape else None
 
 
+def shm_need(recipe, nproc: Optional[int] = None) -> Optional[tuple[int, str]]:
+    """Shared memory the node's DataLoader workers hold (batches in flight), and how it was found:
+    ranks x workers x prefetch x batch x sample bytes; 0 without workers, None where the sample size
+    is unknown. `nproc`: ranks on the node (default launch.nproc_per_node)."""
+    d, nproc = recipe.data, nproc or recipe.launch.nproc_per_node
+    if d.num_workers == 0:
+        return 0, "data.num_workers 0: batches do not use shared memory"
+    per_sample = sample_bytes(d)
+    if per_sample is None:
+        return None
+    prefetch = d.prefetch_factor or 2
+    need = nproc * d.num_workers * prefetch * d.batch_size * per_sample
+    return need, (f"{human_bytes(need)} = {nproc} rank(s) x {d.num_workers} worker(s) x prefetch {prefetch} "
+                  f"x batch {d.batch_size} x {human_bytes(per_sample)}/sample")
+
+
 def shm(resolved) -> Check:
     name = "/dev/shm"
     if not os.path.isdir(SHM):
@@ -44,17 +60,14 @@ def shm(resolved) -> Check:
             return warned(name, f"{human_bytes(free)} free: too little for DataLoader workers",
                           f"{docker}, e.g. --shm-size=8g")
         return passed(name, f"{human_bytes(free)} free")
-    r = resolved.recipe
-    d, nproc = r.data, r.launch.nproc_per_node
+    d = resolved.recipe.data
     if d.num_workers == 0:
         return passed(name, f"{human_bytes(free)} free; data.num_workers 0: batches do not use shared memory")
-    per_sample = sample_bytes(d)
-    if per_sample is None:
+    estimate = shm_need(resolved.recipe)
+    if estimate is None:
         return passed(name, f"{human_bytes(free)} free (sample size of data '{d.name}' unknown: no estimate)")
-    prefetch = d.prefetch_factor or 2
-    need = nproc * d.num_workers * prefetch * d.batch_size * per_sample
-    how = (f"estimate {human_bytes(need)} = {nproc} rank(s) x {d.num_workers} worker(s) x prefetch {prefetch} "
-           f"x batch {d.batch_size} x {human_bytes(per_sample)}/sample")
+    need, how = estimate
+    how = f"estimate {how}"
     if free < need:
         size = max(1, math.ceil(2 * need / (1 << 30)))
         return failed(name, f"{human_bytes(free)} free < {how}",
@@ -205,10 +218,43 @@ class MemoryVerdict:
         return [f"  {a.text}" for a in self.advice]
 
 
+def cuda_budget(nproc: int) -> tuple[int, str]:
+    """The GPU memory a rank may use, and how it was found ("X free of Y on NAME"): what is free at
+    launch on the GPUs this node's ranks take (one each, cuda:0 .. cuda:nproc-1), the least of them,
+    since another process (or a rank of an earlier job still exiting) may hold part of a device.
+
+    Free is the device's total less what NVML says is used (`torch.cuda.device_memory_used`): that
+    creates no CUDA context in the launcher, which holds one for the whole run once made (hundreds of
+    MiB of every GPU it touched, and on a GPU in exclusive-process mode the rank could not start).
+    Without NVML: `torch.cuda.mem_get_info` (cudaMemGetInfo, free and total)."""
+    import torch
+
+    count = max(1, min(nproc, torch.cuda.device_count()))
+    readings = [(*_free_and_total(i), i) for i in range(count)]
+    free, total, index = min(readings)
+    where = f" (cuda:{index}, the least free of the {count} this node's ranks take)" if count > 1 else ""
+    return free, f"{human_bytes(free)} free of {human_bytes(total)} on {torch.cuda.get_device_name(index)}{where}"
+
+
+def _free_and_total(index: int) -> tuple[int, int]:
+    import torch
+
+    total = torch.cuda.get_device_properties(index).total_memory
+    try:
+        used = torch.cuda.device_memory_used(index)
+    except Exception:  # no NVML (nvidia-ml-py, the driver's library), or a device it cannot map (MIG)
+        used = None
+    if used is not None and 0 <= used <= total:  # more than the total: NVML read another device (MIG)
+        return total - used, total
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)
+
+
 def memory_verdict(recipe) -> Optional[MemoryVerdict]:
     """The plan for this machine: one rank's share of host memory on the CPU (every rank of the node
-    shares it; cgroup limits included), the GPU's total memory on CUDA. None where the model does not
-    build on the meta device or the device is not decided (preflight reports both)."""
+    shares it; cgroup limits included), on CUDA the GPU memory free at launch (`cuda_budget`). None
+    where the model does not build on the meta device or the device is not decided (preflight reports
+    both)."""
     import torch
 
     from ..runtime.accelerator import AcceleratorError, accelerator_for
@@ -227,11 +273,42 @@ def memory_verdict(recipe) -> Optional[MemoryVerdict]:
         budget = host.available // nproc
         how = f"{human_bytes(host.available)} available ({host.source}) / {nproc} rank(s) on this host"
     else:
-        budget = torch.cuda.get_device_properties(0).total_memory
-        how = f"{human_bytes(budget)} on {torch.cuda.get_device_name(0)}"
+        budget, how = cuda_budget(nproc)
     advice = fitting_changes(sizes, setting, budget) + [  # mesh changes only where the matrix verifies them
         a for a in mesh_alternatives(recipe, sizes, setting, budget) if a.plan.per_rank < planned.per_rank]
     return MemoryVerdict(planned, budget, how, sorted(advice, key=lambda a: (not a.fits, a.plan.per_rank)))
+
+
+def host_memory_per_rank(recipe, device_type: str) -> Optional[tuple[int, str]]:
+    """Host memory one rank of this recipe holds at its peak, from the memory plan, and how: on the CPU
+    the plan's whole figure; on a GPU the plan's host parts (offloaded state, a staged checkpoint, the
+    pipeline's whole-model build) plus the rank's process itself (the plan counts its CUDA context on
+    the device; on the host it is the CPU runtime figure, memory_plan.RUNTIME_BYTES) plus, where the
+    rank builds the whole model on the host before moving it (`model.init` constructor), its fp32
+    copy. None where the model does not build on the meta device."""
+    from ..runtime.memory_trace import model_sizes
+
+    try:
+        sizes = model_sizes(recipe)
+        planned = plan_memory(sizes, setting_of(recipe, device_type))
+    except Exception:  # preflight reports a model that does not build, or a mesh the ranks do not make
+        return None
+    if device_type == "cpu":
+        return planned.per_rank, "the memory plan's figure per rank"
+    parts = [("the plan's host parts", planned.total("host")), ("the process", RUNTIME_BYTES["cpu"])]
+    built_on_host = not _built_sharded(recipe) and not any(p.name == "whole model at build" for p in planned.parts)
+    if built_on_host:
+        parts.append(("the model built on the host", sizes.parameters * 4))
+    need = sum(n for _, n in parts)
+    return need, " + ".join(f"{what} {human_bytes(n)}" for what, n in parts)
+
+
+def _built_sharded(recipe) -> bool:
+    """Whether ranks build the model on the meta device and fill only their part (`model.init` seeded,
+    or auto under a strategy that shards parameters without a weights file), not whole on the host."""
+    spec = recipe.model
+    return spec.init == "seeded" or (spec.init == "auto" and not spec.weights
+                                     and recipe.strategy.capabilities().shards_parameters)
 
 
 def memory(resolved) -> Optional[Check]:

@@ -5,8 +5,9 @@ Why a file: a rank the kernel's OOM killer ends (SIGKILL) says nothing more, so 
 and how close it was to its limit must already be on disk. The record is rewritten in place at
 each phase (one `pwrite` of a fixed-size record to a file opened once: microseconds, no fsync) and
 read by the launcher (`trainkit.launch.oom`). A rank that fails with an exception instead
-(`MemoryError` from an address-space limit, `torch.OutOfMemoryError` on a GPU) is explained here too
-(`explained`), and on CUDA leaves the allocator's recent history for https://pytorch.org/memory_viz
+(`MemoryError` from an address-space limit, `torch.OutOfMemoryError` on a GPU, or GPU memory running
+out outside the caching allocator: CUDA, NCCL, cuBLAS, cuDNN; `out_of_memory_kind`) is explained here
+too (`explained`), and on CUDA leaves the allocator's recent history for https://pytorch.org/memory_viz
 (torchtitan's memory snapshot on OOM; with the allocations' stacks when the memory monitor records
 them).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -92,31 +94,84 @@ def phase(name: str) -> None:
 
 
 CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's CPU OOM: a RuntimeError
+CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation: AcceleratorError.error_code, "CUDA error: out of memory"
+# NCCL's own words for an allocation it could not make (its WARN, which torch's DistBackendError carries
+# after "Last error:"): CUDACHECK "Cuda failure 'out of memory'", CUCHECK "Cuda failure 2 'out of memory'"
+# (ncclUnhandledCudaError); ncclCalloc "Failed to malloc N bytes" (ncclSystemError) and
+# ncclCudaHostCalloc "Failed to CUDA host alloc N bytes" (pinned): host memory
+_NCCL_GPU = re.compile(r"Cuda failure (2 )?'out of memory'")
+_NCCL_HOST = re.compile(r"Failed to (malloc|CUDA host alloc) \d+ bytes")
+# the CUDA math libraries' handles and workspaces are allocated outside the caching allocator; torch
+# raises their status as a RuntimeError ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
+# `cublasCreate(handle)`", "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED")
+_LIBRARY = [
+    (re.compile(r"\bCUBLAS_STATUS_ALLOC_FAILED\b"), "cuBLAS could not allocate GPU memory for its handle or "
+                                                    "workspace"),
+    (re.compile(r"\bCUSOLVER_STATUS_ALLOC_FAILED\b"), "cuSOLVER could not allocate GPU memory"),
+    (re.compile(r"\bCUSPARSE_STATUS_ALLOC_FAILED\b"), "cuSPARSE could not allocate GPU memory"),
+    (re.compile(r"\bCUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED\b"), "cuDNN could not allocate GPU memory"),
+    (re.compile(r"\bCUDNN_STATUS_(INTERNAL_ERROR_HOST_ALLOCATION_FAILED|ALLOC_FAILED)\b"),
+     "cuDNN could not allocate memory"),
+]
+
+
+def out_of_memory_kind(exc: BaseException) -> Optional[str]:
+    """What ran out, in words, when `exc` is an out-of-memory failure; None when it is not one.
+
+    - Python's `MemoryError`; torch's CPU allocator refusing (a RuntimeError, under an address-space
+      limit, `ulimit -v`, or strict overcommit); `torch.OutOfMemoryError` (the CUDA caching allocator).
+    - A CUDA call outside the caching allocator failing with cudaErrorMemoryAllocation:
+      `torch.AcceleratorError` ("CUDA error: out of memory", `error_code` 2).
+    - NCCL failing to allocate while it sets up a communicator or its buffers: a
+      `torch.distributed.DistBackendError` whose message carries NCCL's own "Cuda failure ... 'out of
+      memory'" (GPU) or "Failed to malloc / CUDA host alloc N bytes" (host). Other NCCL failures (a
+      timeout, a peer gone, a network error) are not out of memory.
+    - cuBLAS, cuSOLVER, cuSPARSE or cuDNN reporting an allocation failure (their handle or workspace)."""
+    if isinstance(exc, MemoryError):
+        return "host memory ran out (MemoryError)"
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if CPU_ALLOCATOR_FAILED in text:
+        return "torch's CPU allocator could not allocate host memory"
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "the CUDA caching allocator ran out of GPU memory"
+    if isinstance(exc, getattr(torch, "AcceleratorError", ())):  # torch 2.8+
+        if getattr(exc, "error_code", None) == CUDA_OUT_OF_MEMORY or "CUDA error: out of memory" in text:
+            return "a CUDA call outside the caching allocator ran out of GPU memory (CUDA error: out of memory)"
+        return None
+    if isinstance(exc, getattr(dist, "DistBackendError", ())):
+        if _NCCL_GPU.search(text):
+            return ("NCCL communicator set-up ran out of GPU memory (NCCL allocates its buffers outside "
+                    "torch's caching allocator)")
+        if _NCCL_HOST.search(text):
+            return "NCCL communicator set-up ran out of host memory"
+        return None
+    return next((kind for pattern, kind in _LIBRARY if pattern.search(text)), None)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Python's MemoryError, torch's CUDA OutOfMemoryError, or torch's CPU allocator refused (under an
-    address-space limit, `ulimit -v`, or strict overcommit), which torch raises as a RuntimeError."""
-    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and CPU_ALLOCATOR_FAILED in str(exc)):
-        return True
-    try:
-        import torch
-
-        return isinstance(exc, torch.OutOfMemoryError)
-    except (ImportError, AttributeError):
-        return False
+    """Whether `exc` is an out-of-memory failure of any kind `out_of_memory_kind` knows: a restart
+    repeats it (the worker records the fatal marker)."""
+    return out_of_memory_kind(exc) is not None
 
 
 def explained(exc: BaseException) -> OutOfMemory:
-    """The OOM as the report says it: rank, phase, peak, limit, the original error, and on CUDA the
-    snapshot written to RUN_DIR/reports/."""
+    """The OOM as the report says it: rank, phase, peak, limit, what ran out, the original error, and on
+    CUDA the snapshot written to RUN_DIR/reports/."""
+    kind = out_of_memory_kind(exc) or "out of memory"
     w = _watch
     if w is None:
-        return OutOfMemory(f"out of memory: {type(exc).__name__}: {exc}")
+        return OutOfMemory(f"out of memory: {kind}; {type(exc).__name__}: {exc}")
     snapshot = _dump_cuda_snapshot(w)
     first = str(exc).splitlines()[0] if str(exc) else ""
     text = (f"out of memory on rank {w.rank} during {w.current}: peak {_gib(w.peak())} of {_gib(w.limit)} "
-            f"({w.limit_source}); {type(exc).__name__}: {first}")
+            f"({w.limit_source}); {kind}; {type(exc).__name__}: {first}")
     if snapshot is not None:
         text += f"; GPU memory history: {snapshot} (open it at https://pytorch.org/memory_viz)"
     return OutOfMemory(text)
