@@ -44,8 +44,7 @@ def test_no_other_module_spells_a_run_directory_file_name():
 # run_dir.py's string constants that are not the name of anything in a run directory, and why
 NOT_NAMES = {"LAUNCH_ID_VAR": "an environment variable of the workers", "DAMAGED_FATAL": "a message"}
 # (file, literal) -> why it is not (yet) spelled through run_dir.py
-PENDING = {("trainkit/doctor/resources.py", "step-*"): "being edited by another change (issue 36): it globs the "
-                                                       "checkpoint folders; to use CHECKPOINT_PREFIX"}
+PENDING: dict = {}  # (file, literal) -> why it is not yet a run_dir name; empty: every name is
 
 
 def spellings() -> dict[str, str]:

@@ -15,7 +15,7 @@ from ..recipe.memory_plan import RUNTIME_BYTES, MemoryAdvice, MemoryPlan, fittin
 from ..recipe.memory_mesh import mesh_alternatives
 from ..recipe.memory_plan import plan as plan_memory
 from ..runtime import memory_limits
-from ..run_dir import CHECKPOINTS
+from ..run_dir import CHECKPOINT_PREFIX, CHECKPOINTS
 from .check import Check, failed, human_bytes, passed, warned
 
 SHM = "/dev/shm"
@@ -145,7 +145,7 @@ def checkpoint_estimate(recipe) -> tuple[int, str]:
 
 
 def _previous_checkpoint(run_dir: Path) -> int:
-    folders = sorted((run_dir / CHECKPOINTS).glob("step-*"))
+    folders = sorted((run_dir / CHECKPOINTS).glob(CHECKPOINT_PREFIX + "*"))
     if not folders:
         return 0
     return sum(f.stat().st_size for f in folders[-1].rglob("*") if f.is_file())
