@@ -4,6 +4,7 @@
 import copy
 import subprocess
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

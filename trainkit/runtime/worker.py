@@ -84,6 +84,19 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+class StartupPhases:
+    """Rank 0 says what it is doing between the launcher's tracking line and the first step (workers
+    up, model built, data ready, first step), with the seconds since the process started: the 15-20
+    s a new user otherwise waits in silence."""
+
+    def __init__(self, talk: bool, started: float):
+        self.talk, self.started = talk, started
+
+    def say(self, what: str) -> None:
+        if self.talk:
+            print(f"trainkit: {what} ({time.time() - self.started:.1f} s)", flush=True)
+
+
 def _process_start() -> float:
     """When this process started (time.time()): start-up is measured from here to the first step."""
     try:
@@ -107,6 +120,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     dims = recipe.parallel_dims(dist.get_world_size())
     strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe, dims=dims,
                             mesh=build_mesh(dims, device.type))
+    phases = StartupPhases(rank == 0, _process_start())
+    phases.say(f"workers up: {dist.get_world_size()} rank(s) in the process group")
     model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
     model = prepare_model(model, recipe.performance,  # SyncBatchNorm, channels_last: before wrapping
                           contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters)
@@ -120,6 +135,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         if rank == 0:
             print(f"trainkit: weights read from {bare.pretrained_dir}", flush=True)
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
+    phases.say(f"model built and placed ({init} weights, strategy {recipe.strategy.name})")
     # per-rank randomness (augmentation, dropout), shared by the ranks of one tensor-parallel group (the
     # innermost mesh dimension: neighbouring ranks), whose replicated activations must drop the same units
     seed_everything(seed + rank // dims.tp)
@@ -135,6 +151,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         eval_loader = make_loader(eval_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=False,
                                   pin_memory=pin, eval_steps=recipe.trainer.eval_steps)
 
+    phases.say(f"data ready: {len(train_set):,} training samples")
     ckpt_dir = run_dir / CHECKPOINTS
     checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_data)
     monitors = build_monitors(recipe, context(recipe, strategy, model, device, run_dir))
@@ -164,6 +181,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
                 sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
                 last_checkpoint=source, process_start=_process_start())
+    phases.say("first step" + (" (compiling: the first steps take longer)" if recipe.performance.compile_options
+                               else ""))
     try:
         summary = loop.run()
     except (NonFiniteError, DiskFullError) as exc:
