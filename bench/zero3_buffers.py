@@ -1,6 +1,7 @@
-"""ZeRO-3's buffers: the old constant (every size 5e6 elements) against the sizes trainkit now takes
-from the model's largest block (strategies/deepspeed.py `zero3_buffers`), memory and step time side by
-side, alternated pair by pair (issue 37: never trade speed for memory without measuring both).
+"""ZeRO-3's buffers: the lean constant (every size 5e6 elements: trainkit's choice on the CPU) against
+the sizes trainkit takes from the model's largest block on GPUs (strategies/deepspeed.py
+`zero3_buffers`), memory and step time side by side, alternated pair by pair (issue 37: never trade
+speed for memory without measuring both).
 
     python bench/zero3_buffers.py [--pairs 7] [--steps 8] [--hidden 4096] [--depth 3] [--out results.json]
 
@@ -9,7 +10,7 @@ hold hidden x hidden parameters (16.8 M at 4096: above 5e6, so the old live-para
 DeepSpeed's prefetch off). Measured per run: the median step time after the warm-up steps
 (metrics.jsonl's step_time_s) and each rank's whole-run peak RSS (RUN_DIR/live/memory-rank<R>.json,
 VmHWM at the end of the run). The old sizes are the same recipe with strategy.config.zero_optimization
-setting all five to 5e6. On the CPU's gloo collectives are synchronous, so prefetch cannot overlap
+setting all five to 5e6, the model-sized ones the same recipe with the GPU sizes written out. On the CPU's gloo collectives are synchronous, so prefetch cannot overlap
 communication here: the CPU figures show the memory cost and the step-time effect of fewer, larger
 collectives; the overlap itself needs a GPU (the GPU tier).
 """
@@ -34,9 +35,11 @@ OLD = {key: 5_000_000 for key in ("reduce_bucket_size", "stage3_prefetch_bucket_
 
 
 def recipe(folder: Path, label: str, hidden: int, depth: int, steps: int) -> Path:
-    strategy = {"name": "deepspeed", "zero_stage": 3}
-    if label == "old":
-        strategy["config"] = {"zero_optimization": dict(OLD)}
+    from trainkit.strategies.deepspeed import zero3_buffers
+
+    largest = hidden * hidden + hidden  # one hidden layer of the MLP
+    sizes = dict(OLD) if label == "old" else zero3_buffers(largest, "cuda")
+    strategy = {"name": "deepspeed", "zero_stage": 3, "config": {"zero_optimization": sizes}}
     data = {"name": f"zero3-{label}", "seed": 0,
             "model": {"name": "mlp", "args": {"in_features": 1024, "hidden": hidden, "num_classes": 10, "depth": depth}},
             "data": {"name": "synthetic", "batch_size": 8, "num_samples": 256, "shape": [1024], "num_classes": 10},

@@ -145,6 +145,35 @@ def test_a_stop_during_a_background_write_lets_it_finish_and_seals_it(tmp_path):
     assert checkpoint_to_resume("auto", ckpts, restart_count=0, warn=False).name == "step-00000004"
 
 
+def test_a_stop_during_a_write_longer_than_the_grace_ends_within_it_and_reports_no_hang(tmp_path):
+    """issue 38 #4: the step-4 write sleeps 120 s, far past the 20 s a stop gives it (STOP_SAVE_WAIT_S).
+    Before, the ranks joined DCP's non-daemon writer thread at exit and only torchrun's SIGKILL at 30 s
+    ended them, and the hang watch wrote a false hang report meanwhile. Now the launcher and its
+    workers are gone within the grace plus a margin, no hang report is written, and the unfinished
+    step-4 folder is never taken for a checkpoint (step 2 stays the resume point)."""
+    import time
+
+    from trainkit.run_dir import CHECKPOINTS, HANG, REPORTS
+    from trainkit.runtime.resume import checkpoint_to_resume
+    from trainkit.runtime.worker import STOP_SAVE_WAIT_S
+
+    proc = start_with_a_slow_step_4_write(tmp_path, "long-write", seconds=120)
+    try:
+        time.sleep(1.0)
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=STOP_SAVE_WAIT_S + 25)[0]
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0 and took < STOP_SAVE_WAIT_S + 8, (took, out[-3000:])
+    run_dir = tmp_path / "runs" / "long-write"
+    assert not (run_dir / REPORTS / HANG).exists(), (run_dir / REPORTS / HANG).read_text()[:2000]
+    assert checkpoint_to_resume("auto", run_dir / CHECKPOINTS, restart_count=0, warn=False).name == "step-00000002"
+
+
 @pytest.mark.parametrize("strategy", [{"name": "deepspeed", "zero_stage": 2}, {"name": "pipeline", "microbatches": 2}])
 def test_validate_refuses_async_save_where_the_strategy_writes_its_own_checkpoint(tmp_path, strategy):
     """Guards the refusals: DeepSpeed's engine and the pipeline's per-stage files have no background

@@ -7,6 +7,7 @@ DeepSpeed or MLflow; each sub-command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -547,7 +548,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     resolved = resolve(args.recipe, args.overrides)
     from .launch import launcher
 
-    return launcher.run(resolved, args.recipe, list(args.overrides), accept_changes=args.accept_changes)
+    code = launcher.run(resolved, args.recipe, list(args.overrides), accept_changes=args.accept_changes)
+    if code > 128:  # stopped by a signal, the stop reported: leave within the grace the stop promised --
+        sys.stdout.flush()  # a background checkpoint write still running after its bounded wait is DCP's
+        sys.stderr.flush()  # non-daemon thread, which the interpreter's exit would join (its folder stays
+        os._exit(code)  # unsealed, never taken for a checkpoint)
+    return code
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

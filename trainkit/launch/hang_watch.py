@@ -32,7 +32,7 @@ from typing import Optional
 
 from ..run_dir import (HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, loader_stacks_path, rank_stacks_path, report_path,
                        write_fatal)
-from ..runtime.progress_record import END, FAILED, PHASES, STACKS_SIGNAL, read
+from ..runtime.progress_record import END, FAILED, PHASES, STACKS_SIGNAL, STOPPING, read
 from . import flight_recorder_dumps
 
 POLL_S = 0.5
@@ -175,7 +175,7 @@ class HangWatch:
             record = read(path)
             if not record or record.get("host") != socket.gethostname():  # another node's rank: its launcher's
                 continue
-            if record.get("phase") in (END, FAILED):  # past its training loop, or leaving on an exception
+            if record.get("phase") in (END, FAILED, STOPPING):  # past its loop, leaving on an exception or a stop
                 continue
             if record.get("pid") not in self.ended and _alive(int(record.get("pid", 0))):
                 found.append(record)

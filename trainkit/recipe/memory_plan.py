@@ -190,7 +190,7 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
                           f"{T:,} x {s.optimizer_tensors} x 4 B / {L.optimizer}{frozen}"))
     if L.gradient_bucket_elements:
         bucket = min(P, max(L.gradient_bucket_elements, min(sizes.largest_unit, 500_000_000))
-                     if L.gradient_bucket_per_unit else L.gradient_bucket_elements)
+                     if L.gradient_bucket_per_unit and s.device_type == "cuda" else L.gradient_bucket_elements)
         parts.append(Part("gradient buckets", bucket * stored, "device",
                           f"{bucket:,} x {stored} B (gradients copied into communication buckets)"))
     if L.gathers_units and L.parameters // s.tensor_parallel > 1:  # sharded over more than its tp group

@@ -9,9 +9,21 @@ import torch
 from ..recipe.blocks import AdamOptions, SchedulerOptions, SGDOptions
 
 
+def trainable(params) -> list:
+    """The parameters (or param groups, as the pipeline passes them) that train: a frozen base gets no
+    optimizer state."""
+    out = []
+    for p in params:
+        if isinstance(p, dict):
+            out.append({**p, "params": [q for q in p["params"] if q.requires_grad]})
+        elif p.requires_grad:
+            out.append(p)
+    return out
+
+
 def build_optimizer(options: SGDOptions | AdamOptions, params) -> torch.optim.Optimizer:
     """The optimizer over the trainable parameters (a frozen base -- LoRA -- gets no state at all)."""
-    params = [p for p in params if p.requires_grad]
+    params = trainable(params)
     if options.name == "sgd":
         return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum,
                                weight_decay=options.weight_decay, nesterov=options.nesterov)

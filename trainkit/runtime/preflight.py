@@ -170,7 +170,8 @@ def _strategy(r) -> Iterator[Finding]:
 
 
 def _strategy_checks(r) -> Iterator[Finding]:
-    """The strategy class's own checks (split points exist, DeepSpeed config parses, ...)."""
+    """The strategy class's own checks (split points exist, DeepSpeed config parses, ...), and that an
+    explicit `trainer.resume: PATH` holds a checkpoint this strategy wrote."""
     try:
         cls = registry.component(r.strategy)
     except Exception:  # reported by _strategy
@@ -178,3 +179,32 @@ def _strategy_checks(r) -> Iterator[Finding]:
     hook = getattr(cls, "preflight", None)
     if hook is not None:
         yield from hook(r)
+    yield from _resume_source_fits(r, cls)
+
+
+def _resume_source_fits(r, cls) -> Iterator[Finding]:
+    """`trainer.resume: PATH` of a checkpoint another strategy wrote fails on every rank (its files are not
+    where this strategy reads them): refused before launch, naming the strategy that wrote it and the way
+    to start from its weights instead."""
+    if r.trainer.resume in ("auto", "never"):
+        return
+    folder = Path(r.trainer.resume).expanduser()
+    if not folder.is_dir():
+        yield ("trainer", "resume"), f"checkpoint folder not found: {r.trainer.resume} (absolute: " \
+            f"{folder.resolve()})", "error"
+        return
+    if cls.owns_checkpoint(folder):
+        return
+    writers = []
+    for name in registry.names("strategies"):
+        try:
+            other = registry.import_path(registry.load("strategies", name).component)
+        except Exception:  # a plugin that cannot be imported here wrote nothing we could tell
+            continue
+        if other is not cls and other.owns_checkpoint(folder):
+            writers.append(name)
+    written_by = f"strategy {' or '.join(writers)}" if writers else "no strategy trainkit knows"
+    yield ("trainer", "resume"), (
+        f"{r.trainer.resume} was written by {written_by}, not by {r.strategy.name}, whose checkpoints it cannot "
+        f"read; resume with the strategy that wrote it, or start from its weights: `trainkit export "
+        f"{r.trainer.resume} model.pt`, then model.weights: model.pt and trainer.resume: never"), "error"

@@ -36,6 +36,7 @@ STACKS_SIGNAL = signal.SIGUSR1
 PHASES = ("data", "forward", "backward", "optimizer", "eval", "checkpoint")  # in the order a step runs them
 END = "end"  # the loop is over: the summary, reports and shutdown are not watched
 FAILED = "failed"  # the rank is leaving on an exception: its exit is the launcher's failure report, not a hang
+STOPPING = "stopping"  # a SIGTERM/SIGINT: the rank finishes a background checkpoint write (bounded) and leaves
 
 
 class _Record:
@@ -109,6 +110,12 @@ def failed() -> None:
     interpreter shutting down: seconds on a loaded machine): not a hang."""
     if _record is not None:
         _record.phase(_record.step, FAILED)
+
+
+def stopping() -> None:
+    """This rank was asked to stop and is finishing (a checkpoint write gets a bounded wait): not a hang."""
+    if _record is not None:
+        _record.phase(_record.step, STOPPING)
 
 
 def watch_backward(model) -> None:

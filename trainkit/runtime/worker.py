@@ -191,6 +191,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         raise
     except BaseException as exc:
         if isinstance(exc, StopRequested):  # torchrun's grace before SIGKILL is 30 s
+            progress_record.stopping()  # the bounded wait below is not a hang
             checkpointer.finish_on_stop(STOP_SAVE_WAIT_S)
         monitors.call("on_exception", exc)
         raise
@@ -268,7 +269,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"trainkit: rank {dist.get_rank()} stopping on {stop}", file=sys.stderr, flush=True)
         if argv is None:
             dist.destroy_process_group()
-            sys.exit(128 + stop.signum)
+            # at once: a background checkpoint write still running after its bounded wait (finish_on_stop)
+            # runs in DCP's non-daemon thread, which sys.exit would join until torchrun's SIGKILL; the
+            # unsealed folder it leaves is never taken for a checkpoint
+            _exit_without_finalization(128 + stop.signum)
         raise
     finally:
         if dist.is_initialized():

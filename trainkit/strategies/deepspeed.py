@@ -44,19 +44,31 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def zero3_buffers(largest_unit: int) -> dict:
-    """ZeRO-3's buffers sized from the model's largest block (`largest_unit`, elements).
+ZERO3_CPU_BUFFERS = {key: ZERO3_BUFFER_NUMEL for key in (
+    "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "sub_group_size")}
 
-    DeepSpeed prefetches the next module's parameters only while fewer than `stage3_max_live_parameters`
-    are gathered (`partitioned_param_coordinator.py`), so a live limit below one block switches prefetch
-    off and puts every all-gather on the critical path. Here: two blocks live (the one computing and the
-    next, prefetched: FSDP's own schedule, and what the memory plan's "gathered unit" counts), one block
-    per prefetch and per gradient reduce-scatter, an optimizer sub-group of one block. DeepSpeed's own
-    defaults (prefetch 5e7, live 1e9, reduce bucket 5e8, sub-group 1e9) are the ceiling: they exceed a
-    whole model of a few hundred million parameters, whose rank would then fill a gradient bucket as large
-    as the model and keep every gathered layer until backward (docs/benchmarks.md, "ZeRO-3's buffers").
-    The floor, 5e6 elements (DDP's 25 MB bucket), keeps small blocks from turning into many tiny
-    collectives."""
+
+def zero3_buffers(largest_unit: int, device_type: str) -> dict:
+    """ZeRO-3's buffers for the device the ranks run on, from the model's largest block (`largest_unit`,
+    elements).
+
+    On GPUs: DeepSpeed prefetches the next module's parameters only while fewer than
+    `stage3_max_live_parameters` are gathered (`partitioned_param_coordinator.py`), so a live limit below
+    one block switches prefetch off and puts every all-gather on the critical path. So: two blocks live (the
+    one computing and the next, prefetched: FSDP's own schedule, and what the memory plan's "gathered unit"
+    counts), one block per prefetch, per gradient reduce-scatter and per optimizer sub-group; floored at
+    5e6 elements (small blocks would make many tiny collectives) and capped at DeepSpeed's own defaults
+    (prefetch 5e7, live 1e9, reduce bucket 5e8, sub-group 1e9), which exceed a whole model of a few
+    hundred million parameters.
+
+    On the CPU (gloo): 5e6 elements each (DDP's 25 MB bucket). gloo's collectives are synchronous, so
+    prefetch cannot overlap communication there: measured side by side (bench/zero3_buffers.py,
+    docs/benchmarks.md "ZeRO-3's buffers"), the model-sized buffers cost +139 MiB per rank for a step time
+    within the noise, so the CPU keeps the lean ones.
+    """
+    if device_type != "cuda":
+        return dict(ZERO3_CPU_BUFFERS)
     unit = max(ZERO3_BUFFER_NUMEL, int(largest_unit))
     return {"stage3_prefetch_bucket_size": min(unit, 50_000_000),
             "stage3_max_live_parameters": min(2 * unit, 1_000_000_000),
@@ -65,12 +77,19 @@ def zero3_buffers(largest_unit: int) -> dict:
             "sub_group_size": min(unit, 1_000_000_000)}
 
 
+def _device_type(recipe) -> str:
+    """Where the ranks run: the decision preflight, doctor and the worker make (runtime.accelerator)."""
+    from ..runtime.accelerator import accelerator_for
+
+    return accelerator_for(recipe, cuda_available=torch_cuda_available()).device_type
+
+
 def ds_config_for(recipe) -> dict:
     """The DeepSpeed config a recipe implies (train_batch_size is left for DeepSpeed to derive:
     micro batch x accumulation x data-parallel world size)."""
     s: DeepSpeedOptions = recipe.strategy
     t = recipe.trainer
-    buffers = zero3_buffers(largest_unit_of(recipe)) if s.zero_stage == 3 else {}
+    buffers = zero3_buffers(largest_unit_of(recipe), _device_type(recipe)) if s.zero_stage == 3 else {}
     zero: dict = {"stage": s.zero_stage, **buffers}  # `config` may override
     if s.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": s.offload_optimizer, "pin_memory": torch_cuda_available()}

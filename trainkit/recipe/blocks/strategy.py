@@ -108,8 +108,8 @@ class MemoryLayout:
     gathers_units: a unit's whole parameters are gathered for its forward and backward (FSDP, ZeRO-3).
     gradient_bucket_elements: gradient elements copied into communication buckets (DDP without
         gradient_as_bucket_view: all of them; ZeRO: its reduce bucket), counted up to the model's size.
-    gradient_bucket_per_unit: the bucket is at least the model's largest unit (ZeRO-3's buffers are
-        sized from the model's blocks: strategies/deepspeed.py `zero3_buffers`).
+    gradient_bucket_per_unit: on GPUs the bucket is at least the model's largest unit (ZeRO-3's buffers
+        are sized from the model's blocks there: strategies/deepspeed.py `zero3_buffers`).
     low_precision_parameters: parameters and gradients are kept in the training precision (bf16/fp16)
         beside an fp32 master copy (DeepSpeed); otherwise they stay fp32 and autocast casts.
     master_copy: the optimizer keeps its own fp32 copy of its partition (DeepSpeed).
