@@ -30,7 +30,7 @@ from ..recipe import drift, secrets
 from ..recipe.launch_plan import run_dir_for, torchrun_command
 from ..recipe.problems import format_problems
 from ..recipe.schema import Recipe
-from .rank_values import values_differing_by_rank
+from .rank_values import environment_set, values_differing_by_rank
 from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
                        LAUNCH_ID_VAR, TRACKING, clear_fatal, read_fatal, set_aside_path, training_finished,
                        write_json)
@@ -346,10 +346,8 @@ def _run_in_process(run_dir: Path, launch_dir: Path, redact=str, delivering: boo
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        with threads.sharing_the_launcher_process(delivering):
+        with environment_set(env), threads.sharing_the_launcher_process(delivering):
             return worker.main([str(run_dir)]), ""
     except worker.StopRequested as stop:
         return _stopped(stop.signum, run_dir, launch_dir)
@@ -357,12 +355,6 @@ def _run_in_process(run_dir: Path, launch_dir: Path, redact=str, delivering: boo
         reason = redact(f"training failed: {type(exc).__name__}: {exc}{oom.in_process_note(run_dir)}")
         print(f"trainkit: {reason}", file=sys.stderr)
         return 1, reason
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _torchrun_command(recipe: Recipe, run_dir: Path, rendezvous: Optional[rendezvous_store.Rendezvous]) -> list[str]:

@@ -22,7 +22,8 @@ PER_WORKER = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "TOR
 
 
 @contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
+def environment_set(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ for the block, the previous values (or their absence) back after it."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -58,7 +59,7 @@ def values_differing_by_rank(recipe_path: str, overrides: Sequence[str], resolve
 
     views = []
     for env in worker_environments(world, recipe.launch.nproc_per_node):
-        with _environment(env):
+        with environment_set(env):
             try:
                 views.append(flatten(resolve(recipe_path, overrides).redacted()))
             except RecipeError as err:  # valid as validated, refused as a worker would resolve it
