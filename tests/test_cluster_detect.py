@@ -230,3 +230,19 @@ def test_trainkit_run_refuses_a_trainjob_with_another_node_count(tmp_path):
     r = trainkit(tmp_path, "run", str(path), timeout=120, **TRAINER_V2_NODE1)
     assert r.returncode == 2, r.output
     assert "contradicts this TrainJob: PET_NNODES=2" in r.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_recipe_valid_for_its_own_world_is_refused_before_launch_when_the_cluster_changes_it(tmp_path):
+    """issue 38 #5: a recipe valid for world 1 (its mesh: 1 rank) under a 2-node TrainJob's environment ran
+    on both nodes and failed there with exit 1; the rules now run again on the world the cluster gives it,
+    and it is refused before anything starts, naming the key."""
+    from run_helpers import trainkit
+
+    path = mlp_recipe(tmp_path, "world1", launch={"run_dir": str(tmp_path / "runs"), "nproc_per_node": 1},
+                      parallel={"dp_replicate": 1})
+    assert trainkit(tmp_path, "validate", str(path), timeout=60).returncode == 0
+    r = trainkit(tmp_path, "run", str(path), timeout=120, **TRAINER_V2_NODE1)
+    assert r.returncode == 2, r.output
+    assert "parallel" in r.stderr and "not with the world this cluster gives it" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()

@@ -177,7 +177,20 @@ def _with_cluster(resolved):
         print(resolved.redact_text(detected.announcement()), flush=True)
         for note in detected.notes:
             print(f"trainkit: note: {note}", flush=True)
-    return cluster.applied(resolved, detected), detected
+    applied = cluster.applied(resolved, detected)
+    if detected.found:  # the cluster's node count and ranks change the world the recipe was validated for
+        from ..recipe import rules
+        from ..recipe.problems import Problem
+
+        refused = [Problem(applied.locate(path), ".".join(map(str, path)), message)
+                   for path, message in rules.check(applied.recipe)]
+        if refused:
+            print("\n".join(str(p) for p in applied.redact_problems(refused)), file=sys.stderr)
+            print(f"trainkit: not started: the recipe is valid as written, but not with the world this cluster gives "
+                  f"it ({applied.recipe.world_size or '?'} ranks); fix the values named above", file=sys.stderr,
+                  flush=True)
+            return resolved, None
+    return applied, detected
 
 
 def _check_before_launch(resolved, recipe_path: str) -> int:
