@@ -246,3 +246,5 @@ def test_a_recipe_valid_for_its_own_world_is_refused_before_launch_when_the_clus
     assert r.returncode == 2, r.output
     assert "parallel" in r.stderr and "not with the world this cluster gives it" in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()
+    shown = trainkit(tmp_path, "plan", str(path), timeout=120, **TRAINER_V2_NODE1)  # plan names it too
+    assert "cannot start here: not valid with this cluster's world (2 ranks): parallel" in shown.stdout, shown.output

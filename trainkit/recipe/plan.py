@@ -8,6 +8,7 @@ from typing import Sequence
 import yaml
 
 from .. import cluster, registry
+from . import rules
 from .launch_plan import torchrun_command
 from .mesh_layout import degrees_text, mesh_lines
 from .resolver import Resolved
@@ -19,7 +20,11 @@ def _cluster_lines(resolved: Resolved) -> tuple[Resolved, list[str]]:
         detected = cluster.detect_here(resolved)
     except cluster.ClusterError as err:
         return resolved, [f"cluster:         cannot start here: {err}"]
-    return cluster.applied(resolved, detected), detected.lines()
+    applied = cluster.applied(resolved, detected)
+    refused = rules.check(applied.recipe) if detected.found else []  # the world this cluster gives the recipe
+    return applied, detected.lines() + [
+        f"cluster:         cannot start here: not valid with this cluster's world ({applied.recipe.world_size} "
+        f"ranks): {'.'.join(map(str, path))}: {message}" for path, message in refused]
 
 
 def describe(resolved: Resolved, recipe_path: str, overrides: Sequence[str], memory: Sequence[str] = ()) -> str:
