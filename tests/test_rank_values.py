@@ -24,6 +24,9 @@ def test_values_that_differ_by_rank_are_refused_before_launch(tmp_path):
                       trainer={"max_steps": 1, "checkpoint": {"every": 100}}, launch={"nproc_per_node": 1})
     result = trainkit(tmp_path, "run", str(same), timeout=120)
     assert result.returncode == 0, result.output[-3000:]  # an interpolation every rank resolves alike still runs
+    phases = [line.split(":")[1].strip().split(" (")[0] for line in result.stdout.splitlines()
+              if line.startswith("trainkit: ") and line.rstrip().endswith(" s)")]
+    assert phases[:4] == ["workers up", "model built and placed", "data ready", "first step"], result.stdout  # #18
 
 
 def test_resuming_another_strategys_checkpoint_is_refused_before_launch(tmp_path):

@@ -37,26 +37,33 @@ def recipe_block_names(recipe: Any) -> list[str]:
 def largest_unit_of(recipe: Any) -> int:
     """Parameter elements of the recipe's largest block (built on the meta device: no memory); 0 where
     the model does not build there."""
-    spec = recipe.model
     try:
-        with torch.device("meta"):
-            model = factory(spec.name)(**spec.args)
+        model = _on_meta(recipe)
     except Exception:  # reported by preflight's model checks
         return 0
-    blocks = repeated_blocks(model, recipe_block_names(recipe))
-    return max([sum(p.numel() for p in b.parameters()) for b in blocks], default=0)
+    return max((n for n, _ in _units(model, recipe)), default=0)
+
+
+def _on_meta(recipe: Any) -> nn.Module:
+    spec = recipe.model
+    with torch.device("meta"):
+        return factory(spec.name)(**spec.args)
+
+
+def _units(model: nn.Module, recipe: Any) -> list[tuple[int, str]]:
+    """(parameter elements, class name) of each of the recipe's blocks."""
+    return [(sum(p.numel() for p in b.parameters()), type(b).__name__)
+            for b in repeated_blocks(model, recipe_block_names(recipe))]
 
 
 def model_sizes(recipe: Any) -> ModelSizes:
     """Sizes of the recipe's model (built on the meta device) and of one micro-batch's activations."""
-    spec = recipe.model
-    with torch.device("meta"):
-        model = factory(spec.name)(**spec.args)
+    model = _on_meta(recipe)
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     blocks = repeated_blocks(model, recipe_block_names(recipe))
-    units = [(sum(p.numel() for p in b.parameters()), type(b).__name__) for b in blocks]
+    units = _units(model, recipe)
     in_blocks = sum(n for n, _ in units)
     largest, name = max(units + [(parameters - in_blocks, "the rest of the model (the root unit)")])
     batch = example_batch(recipe)

@@ -128,12 +128,9 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
-    bare = strategy.unwrap(model)
-    if getattr(bare, "pretrained_dir", None):  # each rank reads its own slices (runtime.pretrained)
-        load_pretrained(bare, bare.pretrained_dir, bare.pretrained_name)
+    pretrained_dir = getattr(strategy.unwrap(model), "pretrained_dir", None)
+    if pretrained_dir:
         init = "pretrained"
-        if rank == 0:
-            print(f"trainkit: weights read from {bare.pretrained_dir}", flush=True)
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
     phases.say(f"model built and placed ({init} weights, strategy {recipe.strategy.name})")
     # per-rank randomness (augmentation, dropout), shared by the ranks of one tensor-parallel group (the
@@ -161,6 +158,10 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     source = resume.decide_on_ranks(strategy, run_dir, ckpt_dir, recipe.trainer.resume, restart)
     state = TrainState()
+    if source is None and pretrained_dir:  # each rank reads its own slices; a resume reads the checkpoint instead
+        bare = strategy.unwrap(model)
+        load_pretrained(bare, pretrained_dir, bare.pretrained_name)
+        phases.say(f"weights read from {pretrained_dir}")
     if source is not None:
         state = restore_trainer_state(checkpointer.load(source, model, optimizer), scheduler, precision)
         if rank == 0:

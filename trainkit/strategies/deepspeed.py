@@ -89,7 +89,10 @@ def ds_config_for(recipe) -> dict:
     micro batch x accumulation x data-parallel world size)."""
     s: DeepSpeedOptions = recipe.strategy
     t = recipe.trainer
-    buffers = zero3_buffers(largest_unit_of(recipe), _device_type(recipe)) if s.zero_stage == 3 else {}
+    buffers = {}
+    if s.zero_stage == 3:
+        device = _device_type(recipe)  # the model is built (on meta) only where its block sizes the buffers
+        buffers = zero3_buffers(largest_unit_of(recipe) if device == "cuda" else 0, device)
     zero: dict = {"stage": s.zero_stage, **buffers}  # `config` may override
     if s.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": s.offload_optimizer, "pin_memory": torch_cuda_available()}
