@@ -88,3 +88,43 @@ def test_an_explicit_uri_or_mlflow_tracking_uri_wins_and_outside_a_project_the_f
     monkeypatch.delenv("TRAINKIT_RECIPE_ROOT")
     monkeypatch.chdir(elsewhere)
     assert tracking_uri(resolve(lone).recipe, lone) == f"sqlite:///{elsewhere}/mlflow.db"
+
+
+@pytest.mark.slow  # run tags ask git for the commit
+@pytest.mark.parametrize("first", ["node 0", "node 1"])
+def test_two_nodes_sharing_a_run_directory_make_one_run_at_once_whichever_comes_first(tmp_path, monkeypatch, first):
+    """A job's later node waits for the first node's run (up to 60 s, as the launcher passes it). On a
+    run directory both nodes share, the later node once waited *inside* the spool's delivery when it
+    reached the spool first: the first node could not deliver, and the job started a minute late (the
+    k8s pod test took 75 s instead of 17). Now either order makes one RUNNING run within seconds."""
+    import threading
+    import time
+
+    recipe = tmp_path / "job.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "tracking": {"experiment": "job",
+                                                             "uri": f"sqlite:///{tmp_path}/mlflow.db"}}))
+    monkeypatch.chdir(tmp_path)
+    resolved = resolve(Path("job.yaml"))
+    shared = tmp_path / "runs" / "store"
+    shared.mkdir(parents=True)
+    wheres: dict[int, str] = {}
+
+    def node(rank: int) -> None:
+        wheres[rank] = open_run(resolved, shared, shared / f"launch-{rank}", environment={}, job="pytorchjob:tk",
+                                wait_s=0.0 if rank == 0 else 60.0)
+
+    order = [0, 1] if first == "node 0" else [1, 0]
+    start = time.monotonic()
+    threads = [threading.Thread(target=node, args=(order[0],))]
+    threads[0].start()
+    time.sleep(1.5)  # the first one is in (or waiting) before the other comes
+    threads.append(threading.Thread(target=node, args=(order[1],)))
+    threads[1].start()
+    for t in threads:
+        t.join(90)
+    took = time.monotonic() - start
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("job").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "RUNNING", [(r.info.run_id, r.info.status) for r in runs]
+    assert all(runs[0].info.run_id in wheres[r] for r in (0, 1)), wheres
+    assert took < 15, f"the nodes waited {took:.0f} s for each other"

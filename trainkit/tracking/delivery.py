@@ -211,15 +211,10 @@ def _linked_run_id(run_dir: Path) -> str:
 
 
 def _find_run(client, exp_id: str, key: str, record: dict) -> list:
-    """The run with this key; for a job's nodes only a RUNNING one, waiting up to record['wait_s']
-    for the first node to create it."""
+    """The run with this key; for a job's nodes only a RUNNING one (a later node waited for the first
+    node's before it spooled its creation: tracking.run.open_run)."""
     query = f"tags.`trainkit.run_key` = '{key}'" + (" and attributes.status = 'RUNNING'" if record.get("join") else "")
-    deadline = time.monotonic() + float(record.get("wait_s") or 0.0)
-    while True:
-        found = client.search_runs([exp_id], filter_string=query)
-        if found or time.monotonic() >= deadline:
-            return found
-        time.sleep(1.0)
+    return client.search_runs([exp_id], filter_string=query)
 
 
 NOT_COPIED_TAGS = ("mlflow.runName", "trainkit.run_key", "trainkit.superseded_by", "trainkit.status_reason",

@@ -111,8 +111,10 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: 
     uri = tracking_uri(recipe, Path(resolved.files[0]))
     experiment = resolved.redact_text(recipe.tracking.experiment)
     key = hashlib.sha256(f"{job}\n{experiment}\n{recipe.name}".encode()).hexdigest()[:32] if job else uuid.uuid4().hex
+    if job and wait_s > 0:
+        _wait_for_the_first_node(spool, uri, experiment, key, wait_s)
     create = [{"op": "create", "uri": uri, "experiment": experiment, "key": key,
-               **({"join": True, "wait_s": float(wait_s)} if job else {}),
+               **({"join": True} if job else {}),
                "run_name": resolved.redact_text(recipe.tracking.run_name or recipe.name), "ts": _now_ms(),
                "tags": run_tags(recipe, environment)},
               {"op": "params", "params": flatten(resolved.redacted())}]
@@ -128,6 +130,29 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: 
     if error:
         where += f" (unreachable now: {error}; {pending} record(s) kept in {spool.path}, delivered later)"
     return where
+
+
+def _wait_for_the_first_node(spool: Spool, uri: str, experiment: str, key: str, wait_s: float) -> None:
+    """A later node of a job waits (up to `wait_s`) until the first node's run exists: in MLflow (nodes
+    with their own run directories), or as delivered from this spool (a run directory the nodes share). The wait holds no lock of the spool: a node that waited inside the
+    delivery of a shared spool kept the first node from delivering the run it waited for (a 2-node
+    job started a minute late whenever the later node reached the spool first)."""
+    from .delivery import client_for
+
+    deadline = time.monotonic() + wait_s
+    client = None
+    while time.monotonic() < deadline:
+        if spool.state().get("run_id"):
+            return
+        try:
+            client = client or client_for(credentials.use(uri))
+            exp = client.get_experiment_by_name(experiment)
+            if exp is not None and client.search_runs(
+                    [exp.experiment_id], filter_string=f"tags.`trainkit.run_key` = '{key}' and attributes.status = 'RUNNING'"):
+                return
+        except Exception:  # the server not up yet: keep waiting, delivery reports what stays wrong
+            pass
+        time.sleep(1.0)
 
 
 # --------------------------------------------------------------------------- runs that group other runs
