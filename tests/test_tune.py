@@ -5,6 +5,7 @@ false improvement; the budget holds; bad input is refused before anything runs."
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import time
@@ -21,6 +22,11 @@ pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
 FAST = {"trainer": {"max_steps": 12, "log_every": 1, "checkpoint": {"every": 100, "keep": 1}}}
+# One process, trained in the trial's own `trainkit run` process: a trial then costs one start-up
+# (~3 s) instead of torchrun's three (~8 s), and what these tests check -- the diagnosis, the decision
+# rule, the budget, the tracking tree -- does not depend on the world size. The gradient-bucket test
+# keeps 2 ranks: it needs the all-reduce.
+ONE_PROCESS = {"launch": {"nproc_per_node": 1}}
 
 
 def _measured_samples_per_s(run_dir: Path) -> float:
@@ -33,14 +39,16 @@ def test_a_data_bound_recipe_gets_workers_and_the_tuned_recipe_is_faster(tmp_pat
     # 16 ms of data loading per step and about as much compute: a worker process overlaps them
     recipe = mlp_recipe(tmp_path, "slow-data", data={"sleep_ms": 2.0, "num_workers": 0},
                         model={"name": "mlp", "args": {"in_features": 48, "hidden": 1024, "depth": 3, "num_classes": 4}},
-                        **FAST)
+                        **FAST, **ONE_PROCESS)
     r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "num_workers", "--steps", "12", "--budget", "3")
     assert r.returncode == 0, r.output
-    assert "data-bound" in r.stdout and "| num_workers=1 |" in r.stdout and "| kept |" in r.stdout, r.stdout
+    workers = os.cpu_count() or 1  # tried: the CPUs of the one rank (max 8)
+    workers = min(workers, 8)
+    assert "data-bound" in r.stdout and f"| num_workers={workers} |" in r.stdout and "| kept |" in r.stdout, r.stdout
 
     tuned = tmp_path / "slow-data.tuned.yaml"
     text = tuned.read_text()
-    assert "# tune: was 0; num_workers=1: +" in text  # the measured gain, beside the change
+    assert f"# tune: was 0; num_workers={workers}: +" in text  # the measured gain, beside the change
     data = yaml.safe_load(text)
     assert data["data"]["num_workers"] >= 1
     original = yaml.safe_load(recipe.read_text())
@@ -63,7 +71,7 @@ def test_a_healthy_recipe_gets_no_false_improvement_and_foreign_knobs_are_skippe
     """gradient_as_bucket_view applies to this DDP recipe but saves one copy of 4 KiB of gradients:
     nothing a 12-step trial can see. Under the 5-pair rule it must not be "proven" (it once was under
     the 3-pair rule, by noise); the FSDP/DeepSpeed knobs are listed and skipped."""
-    recipe = mlp_recipe(tmp_path, "healthy", **FAST)
+    recipe = mlp_recipe(tmp_path, "healthy", **FAST, **ONE_PROCESS)
     r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "gradient_as_bucket_view,zero_stage,reshard_after_forward",
                  "--steps", "12", "--budget", "4")
     assert r.returncode == 0, r.output
@@ -96,16 +104,16 @@ def test_tiny_gradient_buckets_are_raised_and_the_gain_is_proven(tmp_path):
 
 
 def test_the_budget_holds_and_trials_are_child_runs_of_one_mlflow_run(tmp_path):
-    recipe = mlp_recipe(tmp_path, "budgeted", tracking={"enabled": True, "experiment": "tune"}, **FAST)
+    recipe = mlp_recipe(tmp_path, "budgeted", tracking={"enabled": True, "experiment": "tune"}, **FAST, **ONE_PROCESS)
     start = time.monotonic()
     r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph,gradient_as_bucket_view", "--steps", "8",
-                 "--budget", "0.75")
+                 "--budget", "0.5")
     took = time.monotonic() - start
     assert r.returncode == 0, r.output
-    assert "budget of 0.75 min spent" in r.stdout
+    assert "budget of 0.5 min spent" in r.stdout
     trials = len(re.findall(r"^trainkit: tune: trial \d+: \S+: [\d.]+ samples/s$", r.stdout, re.M))
     one_trial = took / max(1, trials)
-    assert took <= 45 + one_trial + 15, (took, trials)  # the budget, one trial, and start-up/report time
+    assert took <= 30 + one_trial + 15, (took, trials)  # the budget, one trial, and start-up/report time
 
     from mlflow.tracking import MlflowClient
 
@@ -128,11 +136,12 @@ def test_with_mlflow_unreachable_nothing_is_lost_and_sync_delivers_the_tree_late
 
     (tmp_path / "later").write_text("")
     uri = f"sqlite:///{tmp_path}/later/mlflow.db"
-    recipe = mlp_recipe(tmp_path, "offline", tracking={"enabled": True, "experiment": "tune", "uri": uri}, **FAST)
-    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph", "--steps", "8", "--budget", "1")
+    recipe = mlp_recipe(tmp_path, "offline", tracking={"enabled": True, "experiment": "tune", "uri": uri}, **FAST,
+                        **ONE_PROCESS)
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph", "--steps", "8", "--budget", "0.4")
     assert r.returncode == 0, r.output
     trials = re.findall(r"^trainkit: tune: trial \d+: (\S+): [\d.]+ samples/s$", r.stdout, re.M)
-    assert trials[0] == "baseline" and len(trials) >= 2, r.output  # room for one pair: 3 trials of ~15 s
+    assert trials[0] == "baseline" and len(trials) >= 2, r.output  # room for pairs: trials of ~5 s
     dirs = re.search(r"deliver them with\n  trainkit sync (.+)$", r.stderr, re.M).group(1).split()
     assert len(dirs) == len(trials) + 1 and dirs[-1].endswith("/parent")
     assert all(Path(d, "tracking", "spool.jsonl").is_file() for d in dirs)
