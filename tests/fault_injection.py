@@ -256,6 +256,21 @@ def install_desync(*, model, rank: int) -> list:
     return [advance]
 
 
+def count_class_forward(module, wrap) -> None:
+    """Count where the forward and its recomputation both pass: the class's forward. Activation
+    checkpointing replaces the instance's forward and recomputes through the class's (bypassing module
+    hooks and the instance attribute), so MODULE gets a subclass of its own class (same name) whose
+    forward runs `wrap(bound forward of the class)`."""
+    import functools
+
+    base = type(module)
+
+    def forward(self, *args, **kwargs):
+        return wrap(functools.partial(base.forward, self))(*args, **kwargs)
+
+    module.__class__ = type(base.__name__, (base,), {"forward": forward})
+
+
 def install_fsdp_probe(*, model, rank: int) -> list:
     folder = os.environ.get("TRAINKIT_FAULT_PROBE_FSDP")
     if not folder:
@@ -268,7 +283,7 @@ def install_fsdp_probe(*, model, rank: int) -> list:
     forwards = {name: 0 for name in units}
     dtypes: dict = {}
 
-    def counted(name, forward):  # the forward itself: the recomputation in backward bypasses module hooks
+    def counted(name, forward):
         def run(*args, **kwargs):
             # counted on entry: non-reentrant checkpointing stops a recomputation (early stop: an
             # exception raised inside the forward) as soon as the tensors backward needs exist, so
@@ -282,7 +297,7 @@ def install_fsdp_probe(*, model, rank: int) -> list:
         return run
 
     for name, m in units.items():
-        m.forward = counted(name, m.forward)
+        count_class_forward(m, lambda forward, name=name: counted(name, forward))
     path = os.path.join(folder, f"fsdp-rank{rank}.jsonl")
 
     def record(step: int) -> None:
@@ -524,7 +539,7 @@ def install_perf_probe(*, model, rank: int) -> list:
         return run
 
     for name, m in blocks.items():
-        m.forward = counted(name, m.forward)
+        count_class_forward(m, lambda forward, name=name: counted(name, forward))
 
     def first_input(module, args):
         x = args[0] if args else None

@@ -202,10 +202,6 @@ def performance_options_fit_the_strategy(r: Recipe) -> Iterator[Finding]:
         if getattr(p, option, None) != getattr(defaults, option, None):
             yield ("performance", option), f"{option} is not supported by strategy {s.name}: {why}"
     ac = p.checkpointing
-    if p.compile_options is not None and ac.mode != "none":
-        yield ("performance", "compile"), (
-            "compile together with activation checkpointing is not supported: trainkit checkpoints blocks with "
-            "hooks (torch.distributed._composable.checkpoint), which torch.compile cannot trace; use one of them")
     if ac.mode == "full" and ac.every_n_blocks != 1:
         yield ("performance", "activation_checkpointing", "every_n_blocks"), (
             "every_n_blocks applies to mode selective (full checkpoints every block)")

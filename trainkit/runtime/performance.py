@@ -11,8 +11,9 @@ Where each one applies differs per strategy (the strategies call these at the ri
   before FSDP shards it, each pipeline stage. `nn.Module.compile()` compiles in place, so parameter
   names -- and so checkpoints -- are those of the eager model.
 
-The composable `torch.distributed._composable.checkpoint` is used for checkpointing: hooks on the
-block instead of a wrapper module, so parameter names do not change either.
+Activation checkpointing runs each block's forward under `torch.utils.checkpoint` (non-reentrant),
+set on the block itself instead of a wrapper module, so parameter names do not change either, and
+torch.compile traces it.
 """
 
 from __future__ import annotations
@@ -120,11 +121,24 @@ def checkpointed_blocks(model: nn.Module, ac: ActivationCheckpointingOptions) ->
 
 
 def checkpoint_blocks(blocks: list[nn.Module]) -> None:
-    """Composable activation checkpointing on each block: recomputed in backward, names unchanged."""
-    from torch.distributed._composable import checkpoint
+    """Activation checkpointing on each block: its forward runs under `torch.utils.checkpoint`
+    (non-reentrant) and is recomputed in backward. The block's own `forward` is replaced on the
+    instance, not wrapped in another module, so parameter names -- and checkpoints -- do not change;
+    unlike the hooks of `torch.distributed._composable.checkpoint`, torch.compile traces it (dynamo
+    turns it into its activation-checkpoint region), so compile and checkpointing combine, in
+    torchtitan's order: checkpoint each block, then compile (docs/performance.md)."""
+    import types
 
     for block in blocks:
-        checkpoint(block)
+        block.forward = types.MethodType(_checkpointed_forward, block)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    """The class's forward under non-reentrant checkpointing (a bound method, so a deep copy of the
+    block binds to the copy)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointingOptions) -> list[nn.Module]:

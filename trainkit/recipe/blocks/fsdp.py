@@ -55,11 +55,6 @@ class FSDPOptions(StrategyOptions):
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         ac = recipe.performance.checkpointing
-        if self.activation_checkpointing and recipe.performance.compile_options is not None and ac.mode == "none":
-            yield ("performance", "compile"), (
-                "compile together with activation checkpointing is not supported: trainkit checkpoints blocks "
-                "with hooks (torch.distributed._composable.checkpoint), which torch.compile cannot trace; use "
-                "one of them")
         if self.activation_checkpointing and ac.mode != "none":
             yield ("strategy", "activation_checkpointing"), (
                 "set either the deprecated strategy.activation_checkpointing or "
