@@ -73,6 +73,7 @@ class Dumps:
     ranks: dict = field(default_factory=dict)  # rank -> its dump (the analysis's format)
     missing: dict = field(default_factory=dict)  # rank -> why there is no dump
     native: list = field(default_factory=list)  # ranks whose backend's own record was saved too
+    native_records: dict = field(default_factory=dict)  # rank -> that record (NCCL's), unpickled
     left_out: int = 0  # point-to-point or unknown records
 
 
@@ -98,17 +99,21 @@ def collect(run_dir: Path, directory: Path, ranks: dict, backend: str) -> Dumps:
         dump, left_out = for_analysis(record, label)
         dumps.ranks[rank], dumps.left_out = dump, dumps.left_out + left_out
         (dumps.folder / f"{DUMP_PREFIX}{rank}").write_bytes(pickle.dumps(dump))
-        if _has_entries(native):  # NCCL's own record (empty on other backends)
+        parsed = _with_entries(native)
+        if parsed:  # NCCL's own record (empty on other backends)
             report_path(run_dir, f"{NCCL_TRACE}{rank}").write_bytes(native)
             dumps.native.append(rank)
+            dumps.native_records[rank] = parsed
     return dumps
 
 
-def _has_entries(dump: bytes) -> bool:
+def _with_entries(dump: bytes) -> dict:
+    """The unpickled record when it holds entries, else {} (torch writes plain dicts, lists and strings)."""
     try:
-        return bool(pickle.loads(dump).get("entries"))
+        record = pickle.loads(dump) if dump else {}
+        return record if isinstance(record, dict) and record.get("entries") else {}
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError):
-        return False
+        return {}
 
 
 def for_analysis(record: dict, label: str) -> tuple[dict, int]:

@@ -33,7 +33,7 @@ from typing import Optional
 from ..run_dir import (HANG, LIVE, NCCL_TRACE, RANK_PROGRESS, loader_stacks_path, rank_stacks_path, report_path,
                        write_fatal)
 from ..runtime.progress_record import END, FAILED, PHASES, STACKS_SIGNAL, STOPPING, read
-from . import flight_recorder_dumps
+from . import flight_recorder_dumps, nccl_blame
 
 POLL_S = 0.5
 STACKS_WAIT_S = 3.0  # how long the ranks get to dump their stacks
@@ -221,13 +221,14 @@ class HangWatch:
             rank.stacks = "" if rank.stopped else _stacks(self.run_dir, rank)
             rank.innermost = _innermost_frame(rank.stacks)
             rank.loader_stacks = {pid: _read(path) for pid, path in workers.get(rank.number, {}).items()}
-        behind, why = _behind(ranks)
+        section, collectives, natives = self._flight_recorder(ranks)
+        behind, why = _behind(ranks, nccl_blame.blame(natives) if natives else None)
         if behind.waits_for_data():
             why = f"{why}; {behind.waits_for_data()}"
         hang = Hang(ranks, behind, why, silent_s, timeout_s)
         hang.repeated = hang.key() == self.previous
         self.previous = hang.key()
-        section, hang.collectives = self._flight_recorder(ranks)
+        hang.collectives = collectives
         hang.report = _write_report(self.run_dir, hang, section)
         print("\n".join([f"trainkit: {hang.summary()}; report: {hang.report}",
                          *[f"trainkit: Flight Recorder: {line}" for line in hang.collectives]]),
@@ -241,29 +242,36 @@ class HangWatch:
             _signal(int(rank.record["pid"]), signal.SIGKILL)
 
 
-    def _flight_recorder(self, ranks: list[Rank]) -> tuple[list[str], list[str]]:
-        """hang.md's Flight Recorder section and the analysis's verdict lines (a failure there must not
-        cost the rest of the report)."""
+    def _flight_recorder(self, ranks: list[Rank]) -> tuple[list[str], list[str], dict]:
+        """hang.md's Flight Recorder section, the analysis's verdict lines, and the backend's own
+        records by rank (NCCL's; {} elsewhere). A failure there must not cost the rest of the report."""
         try:
             dumps = flight_recorder_dumps.collect(self.run_dir, self.sockets, {
                 r.number: f"its process is stopped (State {r.state})" if r.stopped else "" for r in ranks}, self.backend)
             analysis = flight_recorder_dumps.analyse(dumps)
             return (flight_recorder_dumps.report_lines(dumps, analysis, self.run_dir),
-                    flight_recorder_dumps.verdicts(analysis))
+                    flight_recorder_dumps.verdicts(analysis), dumps.native_records)
         except Exception as exc:
-            return ["", "## Flight Recorder", "", f"Not collected: {type(exc).__name__}: {exc}"], []
+            return ["", "## Flight Recorder", "", f"Not collected: {type(exc).__name__}: {exc}"], [], {}
 
 
 class HangError(RuntimeError):
     """The fatal marker's error name for a repeated hang."""
 
 
-def _behind(ranks: list[Rank]) -> tuple[Rank, str]:
-    """The rank the others wait for: a stopped process; else the least progress; else, among ranks at
-    the same step and phase, the one running its own code while the others wait inside torch."""
+def _behind(ranks: list[Rank], nccl: Optional[nccl_blame.Blame] = None) -> tuple[Rank, str]:
+    """The rank the others wait for: a stopped process; else, under NCCL, the rank its Flight Recorder
+    record names (`nccl_blame`: there the host runs ahead of the GPU, so stacks and progress mislead);
+    else the least progress; else, among ranks at the same step and phase, the one running its own
+    code while the others wait inside torch."""
     stopped = [r for r in ranks if r.stopped]
     if stopped:
         return stopped[0], f"its process is stopped: State {stopped[0].state}"
+    named = [r for r in ranks if nccl is not None and r.number == nccl.rank]
+    if named:
+        return named[0], nccl.why
+    if nccl is not None:  # every rank inside the collective: no rank is behind, the collective hangs
+        return min(ranks, key=lambda r: r.progress()), nccl.why
     least = min(r.progress() for r in ranks)
     candidates = [r for r in ranks if r.progress() == least]
     if len(candidates) < len(ranks):
