@@ -90,3 +90,40 @@ def test_an_endpoint_that_refuses_this_node_is_named_within_join_timeout(tmp_pat
                               f"not accept a connection from this node (this-node) within launch.join_timeout_s 2 "
                               f"s: Connection refused"), message
     assert "a wrong address" in message and f"firewall blocking TCP port {port}" in message, message
+
+
+def test_an_endpoint_served_by_a_stopped_process_is_named_within_join_timeout(tmp_path):
+    """Issue 38 #3: the endpoint is served by another job's `trainkit run` (node 0 of a 2-node launch)
+    that is then SIGSTOPped. Its socket still accepts connections (the kernel queues them), and torch's
+    store client waits past its own timeout: the launch once waited for ever (killed by the case at
+    90 s, join_timeout_s 8, nothing printed after the first line). Now `trainkit run` ends within the
+    join timeout, saying the endpoint accepts connections but its store does not answer, and why that
+    may be; nothing of it is left running."""
+    port = free_port()
+    launch = {"nproc_per_node": 1, "nnodes": 2, "rdzv_id": "other", "rdzv_endpoint": f"127.0.0.1:{port}",
+              "join_timeout_s": 600}
+    other = tmp_path / "other"
+    other.mkdir()
+    holder = _agent(other, mlp_recipe(other, "other", launch={**launch, "node_rank": 0}))
+    try:
+        wait_for(lambda: _accepts(port) or holder.poll() is not None, timeout=60, what="the other job serving")
+        os.killpg(holder.pid, signal.SIGSTOP)
+        recipe = mlp_recipe(tmp_path, "held", launch={**launch, "node_rank": 1, "join_timeout_s": JOIN_TIMEOUT_S})
+        agent = _agent(tmp_path, recipe)
+        started = time.monotonic()
+        try:
+            output = agent.communicate(timeout=JOIN_TIMEOUT_S + 60)[0]
+        finally:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+        took = time.monotonic() - started
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        os.killpg(holder.pid, signal.SIGCONT)
+        holder.wait()
+    assert agent.returncode == 1, output
+    assert took < JOIN_TIMEOUT_S + 25, f"{took:.0f} s"
+    assert (f"not started: the rendezvous endpoint 127.0.0.1:{port} (launch.rdzv_endpoint) accepts TCP "
+            f"connections from this node") in output and "did not answer within" in output, output
+    assert "stopped (SIGSTOP" in output and "Traceback" not in output, output
+    assert not _left_running(tmp_path)

@@ -17,6 +17,7 @@ from ..recipe.schema import Recipe
 
 RETRY_S = 1.0  # between connection attempts: nodes start in any order
 CONNECT_TIMEOUT_S = 2.0
+STORE_ANSWER_MIN_S = 5.0  # the store's handshake is given at least this long
 
 
 def _endpoint(recipe: Recipe) -> Optional[tuple[str, int]]:
@@ -40,6 +41,37 @@ def _connect(host: str, port: int) -> Optional[str]:
         return exc.strerror or type(exc).__name__
 
 
+def _store_silent(host: str, port: int, timeout_s: float) -> Optional[str]:
+    """None when the TCPStore at host:port completes a client's handshake within `timeout_s`, else why
+    not. A stopped process still has its socket accept connections (the kernel queues them), and
+    torch's TCPStore client then waits past its own timeout (torch 2.14: measured 60 s and more with a
+    3 s timeout), so torchrun's agent waited for ever and launch.join_timeout_s never fired. The
+    handshake runs on a daemon thread (the client releases the GIL) bounded here; a thread left behind
+    is stuck on a socket of a launch that ends now."""
+    import threading
+    from datetime import timedelta
+
+    outcome: dict = {}
+
+    def handshake() -> None:
+        try:
+            import torch.distributed as dist
+
+            dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+            outcome["answered"] = True
+        except Exception as exc:  # refused the handshake: not a store, or a store that failed
+            outcome["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+    probe = threading.Thread(target=handshake, name="trainkit-store-probe", daemon=True)
+    probe.start()
+    probe.join(timeout_s + 1.0)
+    if outcome.get("answered"):
+        return None
+    if "error" in outcome:
+        return f"its rendezvous store failed the handshake ({outcome['error']})"
+    return f"its rendezvous store did not answer within {timeout_s:.0f} s"
+
+
 def unreachable(recipe: Recipe, host_name: str) -> Optional[str]:
     """Wait up to launch.join_timeout_s for the rendezvous endpoint to accept a connection; None when
     it does (or there is no remote endpoint), else the message to stop with."""
@@ -51,7 +83,13 @@ def unreachable(recipe: Recipe, host_name: str) -> Optional[str]:
     while True:
         why = _connect(host, port)
         if why is None:
-            return None
+            silent = _store_silent(host, port, max(STORE_ANSWER_MIN_S, deadline - time.monotonic()))
+            if silent is None:
+                return None
+            return (f"not started: the rendezvous endpoint {host}:{port} (launch.rdzv_endpoint) accepts TCP "
+                    f"connections from this node ({host_name}) but {silent}.\n  Likely: the process serving it "
+                    f"is stopped (SIGSTOP, Ctrl-Z, a debugger) or hung -- often another job's `trainkit run` "
+                    f"on that port -- or the port belongs to something that is not a rendezvous store.")
         remaining = deadline - time.monotonic()
         if remaining <= 0:  # a name that does not resolve yet is waited for too (a pod's DNS comes late)
             break
