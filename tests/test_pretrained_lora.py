@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from chat_fixtures import save_chat_tokenizer, write_chat
-from run_helpers import summary, trainkit, write_recipe
+from run_helpers import losses, summary, trainkit, write_recipe
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("peft")
@@ -48,25 +48,31 @@ def chat_data(tmp, pretrained: str) -> dict:
             "batch_size": 4}
 
 
-def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict) -> tuple:
+def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict, precision: str = "fp32",
+             steps: int = 3, **env: str) -> tuple:
     path = write_recipe(tmp, name, {
-        "seed": 0, "task": {"name": "causal_lm"},
+        "seed": 0, "task": {"name": "causal_lm"}, "precision": precision,
         "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained, "lora": LORA}},
         "data": data,
         "strategy": strategy, "optimizer": {"name": "adamw", "lr": 1e-2},
-        "trainer": {"max_steps": 3, "log_every": 1, "checkpoint": {"every": 3}, "eval_every": 3, "eval_steps": 1},
-        "launch": {"nproc_per_node": 2, "timeout_s": 180}, "tracking": {"enabled": False}})
-    result = trainkit(tmp, "run", str(path))
+        "trainer": {"max_steps": steps, "log_every": 1, "checkpoint": {"every": 2 if steps > 3 else 3},
+                    "eval_every": steps, "eval_steps": 1},
+        "launch": {"nproc_per_node": 2, "timeout_s": 180, "max_restarts": 1}, "tracking": {"enabled": False}})
+    result = trainkit(tmp, "run", str(path), **env)
     assert result.returncode == 0, result.output[-4000:]
     return path, tmp / "runs" / name
 
 
-@pytest.mark.parametrize("strategy,data", [({"name": "fsdp"}, "chat"), ({"name": "ddp"}, "text")],
-                         ids=["fsdp-chat", "ddp-text"])
+@pytest.mark.parametrize("strategy,data,precision", [({"name": "fsdp"}, "chat", "fp32"),
+                                                     ({"name": "ddp"}, "text", "bf16")],
+                         ids=["fsdp-chat-fp32", "ddp-text-bf16-restarted"])
 def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_peft_adapter(
-        tmp_path, corpus, pretrained, strategy, data):
+        tmp_path, corpus, pretrained, strategy, data, precision):
     """FSDP: a chat SFT run (the pretrained directory's own chat template; its evaluation counts exactly
-    the held-out conversations' assistant tokens, so nothing else is in the loss). DDP: plain text."""
+    the held-out conversations' assistant tokens, so nothing else is in the loss). DDP: plain text in
+    bf16 autocast, and rank 1 dies after step 3: torchrun restarts the ranks, they resume the LoRA run
+    from its step-2 checkpoint (not from the pretrained files again) and end where an uninterrupted run
+    of the same recipe ends, loss for loss."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -77,8 +83,17 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
     block = chat_data(tmp_path, pretrained) if data == "chat" else {
         "name": "text", "files": corpus["files"], "eval_files": corpus["eval_files"], "tokenizer": corpus["tokenizer"],
         "seq_len": 32, "batch_size": 4}
-    _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", block, pretrained, strategy)
+    restarted = precision == "bf16"
+    steps = 4 if restarted else 3
+    _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", block, pretrained, strategy, precision, steps,
+                          **({"TRAINKIT_FAULT_INJECT": "rank=1,step=3"} if restarted else {}))
     assert summary(run_dir)["model_init"] == "pretrained"
+    if restarted:
+        assert summary(run_dir)["resumed_from"].endswith("step-00000002"), summary(run_dir)
+        _, reference = lora_run(tmp_path, "lora-uninterrupted", block, pretrained, strategy, precision, steps)
+        steps_logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in steps_logged if "loss" in r] == list(range(1, steps + 1))
+        assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-6)
     if data == "chat":
         from types import SimpleNamespace
 
@@ -92,7 +107,7 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
         evaluated = [r for r in rows if "eval_tokens" in r]
         assert evaluated and evaluated[-1]["eval_tokens"] == responses, (evaluated, responses)
     exported = tmp_path / "model.pt"
-    export(str(run_dir / "checkpoints" / "step-00000003"), str(exported))
+    export(str(run_dir / "checkpoints" / f"step-{steps:08d}"), str(exported))
     state = torch.load(exported, weights_only=True)
     model = hf_causal_lm(pretrained=pretrained, lora=LORA)
     model.load_state_dict(state)
