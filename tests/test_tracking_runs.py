@@ -80,6 +80,11 @@ def test_a_restart_that_rewinds_continues_in_a_new_linked_run_with_one_value_per
     assert old.data.tags["trainkit.superseded_by"] == current.info.run_id
     assert current.data.tags["trainkit.previous_run"] == old.info.run_id
     assert current.data.params == old.data.params
+    # the link where the UI shows it (issue 38 #16): each description names the other run, and the console
+    assert current.data.tags["mlflow.note.content"].startswith(f"Continues run {old.info.run_id}")
+    assert "from step 4" in current.data.tags["mlflow.note.content"]
+    assert old.data.tags["mlflow.note.content"].startswith(f"Superseded by run {current.info.run_id}")
+    assert f"tracking: run {current.info.run_id} continues run {old.info.run_id}" in first.stdout, first.stdout
     assert steps(client, current) == list(range(1, 13))  # in order, each once
     assert not [k for k, n in rows_per_key_step(tmp_path / "mlflow.db").items() if n > 1]
     run_dir = tmp_path / "runs" / "resumed"

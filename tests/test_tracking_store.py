@@ -128,3 +128,23 @@ def test_two_nodes_sharing_a_run_directory_make_one_run_at_once_whichever_comes_
     assert len(runs) == 1 and runs[0].info.status == "RUNNING", [(r.info.run_id, r.info.status) for r in runs]
     assert all(runs[0].info.run_id in wheres[r] for r in (0, 1)), wheres
     assert took < 15, f"the nodes waited {took:.0f} s for each other"
+
+
+def test_the_closing_link_to_a_tracking_server_opens_the_run_in_the_training_view(tmp_path):
+    """Issue 38 #17: MLflow 3 opens the GenAI view unless the link asks for the model-training one
+    (`workflowType=machine_learning`, kept by the UI across its pages). The last line of a run names
+    the run's own page with it, and no credentials of the server's URI."""
+    from trainkit.tracking.spool import Spool
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "tracking": {"uri": "http://user:pw@mlflow.example:5000/"}}))
+    run_dir = tmp_path / "runs" / "store"
+    spool = Spool(run_dir)
+    spool.append([{"op": "create", "uri": "http://user:pw@mlflow.example:5000/", "experiment": "e", "key": "k",
+                   "run_name": "store", "ts": 0, "tags": {}}])
+    assert "open http://mlflow.example:5000/#/experiments?workflowType=machine_learning" in \
+        next_steps(resolve(recipe).recipe, run_dir, tracked=True)  # not delivered yet: the server's root
+    spool.save_state({**spool.state(), "run_id": "abc123", "experiment_id": "7"})
+    line = next_steps(resolve(recipe).recipe, run_dir, tracked=True).splitlines()[-1]
+    assert "open http://mlflow.example:5000/#/experiments/7/runs/abc123?workflowType=machine_learning" in line, line
+    assert "pw" not in line and "user" not in line

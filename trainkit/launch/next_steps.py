@@ -17,5 +17,24 @@ def next_steps(recipe, run_dir: Path, tracked: bool) -> str:
         uri = store_of(run_dir) or tracking_uri(recipe)
         lines.append(f"trainkit: next: trainkit ui --uri {uri}    # the run in MLflow" if not
                      uri.startswith(("http://", "https://", "databricks")) else
-                     f"trainkit: next: open {uri}    # the run in MLflow")
+                     f"trainkit: next: open {_run_page(uri, run_dir)}    # the run in MLflow")
     return "\n".join(lines)
+
+
+def _run_page(uri: str, run_dir: Path) -> str:
+    """The run's own page on an MLflow server, in the model-training view (MLflow 3 opens the GenAI
+    view unless the link asks otherwise: tracking.browse.ui_link); the server's root when the run's
+    ids are not known yet (its records still in the spool). Credentials never go into a printed link."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from ..tracking.browse import ui_link
+    from ..tracking.spool import Spool
+
+    if uri.startswith("databricks"):
+        return uri
+    state = Spool(run_dir).state()
+    parts = urlsplit(uri)
+    base = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])).rstrip("/")
+    if state.get("run_id") and state.get("experiment_id"):
+        return ui_link(base, f"/experiments/{state['experiment_id']}/runs/{state['run_id']}")
+    return ui_link(base)

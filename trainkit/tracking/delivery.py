@@ -217,8 +217,9 @@ def _find_run(client, exp_id: str, key: str, record: dict) -> list:
     return client.search_runs([exp_id], filter_string=query)
 
 
-NOT_COPIED_TAGS = ("mlflow.runName", "trainkit.run_key", "trainkit.superseded_by", "trainkit.status_reason",
-                   "trainkit.previous_run")
+DESCRIPTION_TAG = "mlflow.note.content"  # the run's description in MLflow's UI
+NOT_COPIED_TAGS = ("mlflow.runName", DESCRIPTION_TAG, "trainkit.run_key", "trainkit.superseded_by",
+                   "trainkit.status_reason", "trainkit.previous_run")
 
 
 def _supersede(client, old_id: str, record: dict, uncertain: bool) -> str:
@@ -252,8 +253,16 @@ def _supersede(client, old_id: str, record: dict, uncertain: bool) -> str:
     for i in range(0, len(points), MAX_METRICS):
         client.log_batch(new_id, metrics=points[i:i + MAX_METRICS], synchronous=True)
     why = record.get("reason") or f"training resumed from step {step}, before points this run already holds"
+    # the link where the UI shows it: each run's description (mlflow.note.content) names the other
+    client.log_batch(new_id, tags=[RunTag(DESCRIPTION_TAG, (
+        f"Continues run {old_id} ({old.info.run_name}) from step {step}: {why}. That run holds the attempt "
+        f"before and ended KILLED, superseded by this one; its points up to step {step} are copied here.")[:5000])],
+        synchronous=True)
     client.log_batch(old_id, tags=[RunTag("trainkit.superseded_by", new_id),
-                                   RunTag("trainkit.status_reason", f"superseded by run {new_id}: {why}"[:5000])],
+                                   RunTag("trainkit.status_reason", f"superseded by run {new_id}: {why}"[:5000]),
+                                   RunTag(DESCRIPTION_TAG, (
+                                       f"Superseded by run {new_id}, which continues this job from step {step}: "
+                                       f"{why}. Look there for the whole curve.")[:5000])],
                      synchronous=True)
     client.set_terminated(old_id, "KILLED", end_time=record.get("ts"))
     return new_id
@@ -290,6 +299,7 @@ class BackgroundDelivery:
     def __init__(self, run_dir: Path, interval: float = 5.0, announce: bool = False):
         self.run_dir, self.interval, self.announce = Path(run_dir), interval, announce
         self.last_error: Optional[str] = None
+        self._announced_run = Spool(self.run_dir).state().get("run_id")  # the launcher printed it at start
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="trainkit-mlflow", daemon=True)
@@ -299,7 +309,6 @@ class BackgroundDelivery:
         self._wake.set()
 
     def _loop(self) -> None:
-        announced_run = bool(Spool(self.run_dir).state().get("run_id"))  # the launcher printed it at start
         announced_error = False
         while not self._stop.is_set():
             try:
@@ -307,10 +316,7 @@ class BackgroundDelivery:
             except Exception as exc:  # never let tracking take the launcher down; the spool keeps all
                 pending, self.last_error = Spool(self.run_dir).pending_count(), f"{type(exc).__name__}: {exc}"
             if self.announce:
-                state = Spool(self.run_dir).state()
-                if state.get("run_id") and not announced_run:
-                    print(f"trainkit: tracking: run {state['run_id']} created in {state.get('uri')}", flush=True)
-                    announced_run = True
+                self._announce_run()
                 if self.last_error and not announced_error:
                     print(f"trainkit: tracking: server unreachable ({self.last_error}); training goes on, "
                           f"{pending} record(s) kept in {Spool(self.run_dir).path} until it is back", flush=True)
@@ -320,6 +326,17 @@ class BackgroundDelivery:
                     announced_error = False
             self._wake.wait(self.interval)
             self._wake.clear()
+
+    def _announce_run(self) -> None:
+        """Say when the run is created, and when the job moves on to a run that continues it (a rewind)."""
+        run_id = Spool(self.run_dir).state().get("run_id")
+        if run_id and not self._announced_run:
+            print(f"trainkit: tracking: run {run_id} created in {Spool(self.run_dir).state().get('uri')}", flush=True)
+        elif run_id and run_id != self._announced_run:
+            print(f"trainkit: tracking: run {run_id} continues run {self._announced_run} (which ends KILLED, "
+                  f"superseded: a resume rewound steps it already held; each run's description names the "
+                  f"other)", flush=True)
+        self._announced_run = run_id or self._announced_run
 
     def close(self, timeout: float = 10.0) -> int:
         """Stop the thread after one last attempt; returns the records still pending."""
@@ -331,4 +348,6 @@ class BackgroundDelivery:
         while pending and self.last_error is None and time.monotonic() < deadline:
             time.sleep(0.2)  # the thread was mid-delivery; wait for it
             pending, self.last_error = deliver(self.run_dir)
+        if self.announce:
+            self._announce_run()
         return pending
