@@ -20,10 +20,11 @@ pytestmark = pytest.mark.distributed
 MiB = 2**20
 
 
-def transformer_recipe(tmp, name: str, corpus: dict, *, model: dict, data: dict, **sections):
+def transformer_recipe(tmp, name: str, corpus: dict, *, model: dict, data: dict, family: str = "transformer",
+                       **sections):
     preset = {
         "seed": 0, "task": {"name": "causal_lm"},
-        "model": {"name": "transformer", "args": model, "init": "auto"},
+        "model": {"name": family, "args": model, "init": "auto" if family == "transformer" else "constructor"},
         "data": {"name": "text", "files": corpus["files"], "tokenizer": corpus["tokenizer"], **data},
         "strategy": {"name": "ddp"},
         "optimizer": {"name": "adamw", "lr": 1e-4},
@@ -63,24 +64,31 @@ def test_fsdp_gathers_one_transformer_block_at_a_time(tmp_path, corpus):
         f"gathering one block at a time should save > {4 * stack // MiB} MiB (blocks {blocks}, one unit {one_unit})")
 
 
-def test_activation_checkpointing_frees_the_transformer_blocks_activations(tmp_path, corpus):
+HF_LLAMA = {"config": {"model_type": "llama", "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 704,
+                       "num_hidden_layers": 8, "num_attention_heads": 4, "max_position_embeddings": 512}}
+
+
+@pytest.mark.parametrize("family", ["transformer", "hf_causal_lm"])
+def test_activation_checkpointing_frees_the_transformer_blocks_activations(tmp_path, corpus, family):
     """DDP, 8 blocks at 512 tokens x 2 sequences: activations dominate (the plan's trace: the model's
-    saved tensors with and without recomputing each block). Checkpointing each TransformerBlock must
+    saved tensors with and without recomputing each block). Checkpointing each block -- the built-in
+    TransformerBlock, and a Hugging Face Llama's LlamaDecoderLayer (its `_no_split_modules`) -- must
     lower each rank's whole-run peak by at least half of what the trace says it frees (the stack as one
     block, as before, freed nothing: 1.03x)."""
     from trainkit.recipe import resolve
     from trainkit.runtime.memory_trace import model_sizes
 
-    model = {"vocab_size": 2048, "dim": 256, "layers": 8, "heads": 4, "seq_len": 512}
+    model = {"vocab_size": 2048, "dim": 256, "layers": 8, "heads": 4, "seq_len": 512} if family == "transformer" \
+        else HF_LLAMA
     data = {"seq_len": 512, "batch_size": 2}
-    kept = transformer_recipe(tmp_path, "ddp-keep", corpus, model=model, data=data)
-    recomputed = transformer_recipe(tmp_path, "ddp-recompute", corpus, model=model, data=data,
+    kept = transformer_recipe(tmp_path, "ddp-keep", corpus, model=model, data=data, family=family)
+    recomputed = transformer_recipe(tmp_path, "ddp-recompute", corpus, model=model, data=data, family=family,
                                     performance={"activation_checkpointing": "full"})
     sizes = model_sizes(resolve(recomputed).recipe)
     freed = sizes.activation_bytes - sizes.checkpointed_activation_bytes
     with_all, with_checkpointing = peaks_above_baseline(tmp_path, kept), peaks_above_baseline(tmp_path, recomputed)
     saved = min(with_all) - max(with_checkpointing)
-    print(f"ddp transformer, above the baseline per rank: {[b // MiB for b in with_all]} MiB, with checkpointing "
+    print(f"ddp {family}, above the baseline per rank: {[b // MiB for b in with_all]} MiB, with checkpointing "
           f"{[b // MiB for b in with_checkpointing]} MiB; the trace frees {freed // MiB} MiB")
     assert saved > freed / 2, (
         f"activation checkpointing saved {saved // MiB} MiB per rank; the plan's trace says it frees "

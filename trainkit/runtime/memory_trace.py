@@ -157,10 +157,16 @@ class _FusedAttention(torch.autograd.Function):
 
 
 class FusedAttentionShapes(torch.overrides.TorchFunctionMode):
-    """During the trace, `F.scaled_dot_product_attention` saves what the fused kernels save."""
+    """During the trace, `F.scaled_dot_product_attention` saves what the fused kernels save; and a
+    meta tensor's truth value -- which has no data -- is taken as True: Hugging Face's mask code asks
+    `(position_ids[:, -1] == 0).all()` (packed sequences?) before any layer runs, which made the trace
+    of every transformers model fail and the plan say "activations unknown". The question only picks
+    the mask's kind, not the shapes the layers save."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.nn.functional.scaled_dot_product_attention:
             q, k, v = args[:3]
             return _FusedAttention.apply(q, k, v)
+        if func is torch.Tensor.__bool__ and args and getattr(args[0], "is_meta", False):
+            return True
         return func(*args, **(kwargs or {}))

@@ -161,6 +161,7 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
     run_id = state["run_id"]
     if op == "rewind":
         state["run_id"] = _supersede(client, run_id, chunk[0], uncertain=bool(state.get("uncertain")))
+        state["continues"] = {"run_id": run_id, "step": int(chunk[0]["step"])}  # for the run's description
         return
     if op == "metric":
         points = [Metric(r["key"], float(r["value"]), int(r["ts"]), int(r["step"])) for r in chunk]

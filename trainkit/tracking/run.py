@@ -205,14 +205,19 @@ def verdict_tags(run_dir: Path) -> dict[str, str]:
         tags = {str(k): str(v) for k, v in verdict.get("tags", {}).items()}
     except (OSError, ValueError, AttributeError):
         return {}
-    return {**tags, NOTE_TAG: verdict_note(verdict)} if verdict.get("kind") else tags
+    continues = Spool(run_dir).state().get("continues")
+    return {**tags, NOTE_TAG: verdict_note(verdict, continues)} if verdict.get("kind") else tags
 
 
-def verdict_note(verdict: dict) -> str:
+def verdict_note(verdict: dict, continues: Optional[dict] = None) -> str:
     """The run description: the verdict first, then each piece of advice, whole (the run page shows
-    the first lines and 'Show more'); the report's tables and evidence are the reports/ artifacts."""
+    the first lines and 'Show more'); the report's tables and evidence are the reports/ artifacts.
+    A run that continues another after a rewind says so first (the link stays visible where the
+    rewind's delivery put it)."""
     advice = [str(a) for a in verdict.get("advice") or []]
-    lines = [f"**Bottleneck: {verdict['kind']}**: {verdict.get('headline', '')}", ""]
+    lines = [f"Continues run {continues['run_id']} from step {continues['step']} (that attempt ended KILLED, "
+             f"superseded by this run).", ""] if continues else []
+    lines += [f"**Bottleneck: {verdict['kind']}**: {verdict.get('headline', '')}", ""]
     lines += [f"{i}. {a}" for i, a in enumerate(advice, 1)] if advice else ["No change advised."]
     lines += ["", f"The whole report, with the step-time breakdown and its evidence: `{REPORTS}/{BOTTLENECK}` "
                   "in Artifacts (`trainkit report RUN_DIR` prints it)."]
