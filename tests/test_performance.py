@@ -152,6 +152,30 @@ def test_activation_checkpointing_selects_blocks():
     assert all(p.grad is not None for p in twin.parameters()) and len(calls) == 4
 
 
+def test_checkpointing_a_block_with_batchnorm_updates_its_statistics_once():
+    """The recomputation runs a checkpointed block's forward again; its BatchNorms in training mode
+    must not update their running statistics a second time (they did: num_batches_tracked 2 after one
+    step, and a different running mean). Statistics and gradients equal the un-checkpointed model's."""
+    import copy
+
+    from trainkit.recipe.blocks import ActivationCheckpointingOptions as AC
+    from trainkit.runtime.performance import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU())
+                            for _ in range(3)])
+    checkpointed = copy.deepcopy(plain)
+    assert len(apply_activation_checkpointing(checkpointed, AC(mode="full"))) == 3
+    x = torch.randn(4, 3, 8, 8)
+    for _ in range(2):
+        plain(x).sum().backward()
+        checkpointed(x).sum().backward()
+    for (name, a), b in zip(plain.named_buffers(), checkpointed.buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
+
+
 @pytest.mark.slow  # inductor runs g++
 def test_compile_and_activation_checkpointing_combine_on_the_transformer():
     """torchtitan's order, in one process: every TransformerBlock checkpointed, then compiled. dynamo
