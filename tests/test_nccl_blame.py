@@ -5,7 +5,7 @@ be a step "ahead"; the stack rule, made for gloo, then blames a healthy rank.
 
 In-process, on records laid out as torch writes them (`dump_nccl_trace_pickle`: entries with
 process_group, collective_seq_id, profiling_name, state, is_p2p; pg_config with each group's ranks).
-What a real NCCL hang produces is checked on a GPU (docs/benchmarks.md, the GPU tier)."""
+Not yet checked against a real NCCL hang: no GPU was lent when this was written (docs/running.md)."""
 
 from __future__ import annotations
 

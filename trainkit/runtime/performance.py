@@ -149,19 +149,18 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
 def _statistics_kept(block: nn.Module):
     """The recomputation in backward runs the block's forward a second time, and a BatchNorm in
     training mode updates its running statistics on every forward: a checkpointed ResNet's running
-    mean, variance and batch count moved twice per step (found by tests/test_performance.py; torch's
+    mean, variance and batch count moved twice per step (guarded by tests/test_performance.py; torch's
     checkpoint leaves this to the caller). Their values before the recomputation are put back after it."""
-    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
-    saved = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-             for m in norms]
+    statistics = [b for m in block.modules()
+                  if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+                  for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    before = [b.clone() for b in statistics]
     try:
         yield
     finally:
         with torch.no_grad():
-            for m, before in zip(norms, saved):
-                for buffer, value in zip([b for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-                                          if b is not None], before):
-                    buffer.copy_(value)
+            for buffer, value in zip(statistics, before):
+                buffer.copy_(value)
 
 
 def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointingOptions) -> list[nn.Module]:

@@ -150,7 +150,7 @@ def _send(client, uri: str, state: dict, chunk: list[dict[str, Any]]) -> None:
             key = r.get("key")
             found = []
             if key and (state.get("uncertain") or r.get("join")):  # created server-side already (an earlier
-                found = _find_run(client, exp_id, key, r)  # attempt, or another node of the same job)
+                found = find_run(client, exp_id, key, bool(r.get("join")))  # attempt, or another node of the same job)
             if found:
                 run = found[0]
             else:
@@ -211,15 +211,15 @@ def _linked_run_id(run_dir: Path) -> str:
     return linked
 
 
-def _find_run(client, exp_id: str, key: str, record: dict) -> list:
-    """The run with this key; for a job's nodes only a RUNNING one (a later node waited for the first
-    node's before it spooled its creation: tracking.run.open_run)."""
-    query = f"tags.`trainkit.run_key` = '{key}'" + (" and attributes.status = 'RUNNING'" if record.get("join") else "")
+def find_run(client, exp_id: str, key: str, join: bool) -> list:
+    """The run with this key; for a job's nodes (`join`) only a RUNNING one (a later node waited for
+    the first node's before it spooled its creation: tracking.run.open_run)."""
+    query = f"tags.`trainkit.run_key` = '{key}'" + (" and attributes.status = 'RUNNING'" if join else "")
     return client.search_runs([exp_id], filter_string=query)
 
 
-DESCRIPTION_TAG = "mlflow.note.content"  # the run's description in MLflow's UI
-NOT_COPIED_TAGS = ("mlflow.runName", DESCRIPTION_TAG, "trainkit.run_key", "trainkit.superseded_by",
+NOTE_TAG = "mlflow.note.content"  # the run's description on its MLflow page (markdown)
+NOT_COPIED_TAGS = ("mlflow.runName", NOTE_TAG, "trainkit.run_key", "trainkit.superseded_by",
                    "trainkit.status_reason", "trainkit.previous_run")
 
 
@@ -255,13 +255,13 @@ def _supersede(client, old_id: str, record: dict, uncertain: bool) -> str:
         client.log_batch(new_id, metrics=points[i:i + MAX_METRICS], synchronous=True)
     why = record.get("reason") or f"training resumed from step {step}, before points this run already holds"
     # the link where the UI shows it: each run's description (mlflow.note.content) names the other
-    client.log_batch(new_id, tags=[RunTag(DESCRIPTION_TAG, (
+    client.log_batch(new_id, tags=[RunTag(NOTE_TAG, (
         f"Continues run {old_id} ({old.info.run_name}) from step {step}: {why}. That run holds the attempt "
         f"before and ended KILLED, superseded by this one; its points up to step {step} are copied here.")[:5000])],
         synchronous=True)
     client.log_batch(old_id, tags=[RunTag("trainkit.superseded_by", new_id),
                                    RunTag("trainkit.status_reason", f"superseded by run {new_id}: {why}"[:5000]),
-                                   RunTag(DESCRIPTION_TAG, (
+                                   RunTag(NOTE_TAG, (
                                        f"Superseded by run {new_id}, which continues this job from step {step}: "
                                        f"{why}. Look there for the whole curve.")[:5000])],
                      synchronous=True)
@@ -330,9 +330,10 @@ class BackgroundDelivery:
 
     def _announce_run(self) -> None:
         """Say when the run is created, and when the job moves on to a run that continues it (a rewind)."""
-        run_id = Spool(self.run_dir).state().get("run_id")
+        state = Spool(self.run_dir).state()
+        run_id = state.get("run_id")
         if run_id and not self._announced_run:
-            print(f"trainkit: tracking: run {run_id} created in {Spool(self.run_dir).state().get('uri')}", flush=True)
+            print(f"trainkit: tracking: run {run_id} created in {state.get('uri')}", flush=True)
         elif run_id and run_id != self._announced_run:
             print(f"trainkit: tracking: run {run_id} continues run {self._announced_run} (which ends KILLED, "
                   f"superseded: a resume rewound steps it already held; each run's description names the "

@@ -27,13 +27,12 @@ from ..recipe import flat
 from ..run_dir import (BOTTLENECK, COMMAND, ENVIRONMENT, FAILURE, PROFILER, RECIPE, REPORTS, RESOLVED_RECIPE, VERDICT,
                        report_path, summary_path)
 from . import credentials
-from .delivery import default_uri, deliver
+from .delivery import NOTE_TAG, default_uri, deliver, find_run
 from .metric_names import mlflow_key
 from .spool import Spool
 
 MAX_PARAM = 6000  # MLflow's limit on a param value
 MAX_NOTE = 8000  # MLflow's limit on a tag value
-NOTE_TAG = "mlflow.note.content"  # the run's description on its MLflow page (markdown)
 
 
 def _now_ms() -> int:
@@ -134,9 +133,10 @@ def open_run(resolved, run_dir: Path, launch_dir: Path, environment: dict, job: 
 
 def _wait_for_the_first_node(spool: Spool, uri: str, experiment: str, key: str, wait_s: float) -> None:
     """A later node of a job waits (up to `wait_s`) until the first node's run exists: in MLflow (nodes
-    with their own run directories), or as delivered from this spool (a run directory the nodes share). The wait holds no lock of the spool: a node that waited inside the
-    delivery of a shared spool kept the first node from delivering the run it waited for (a 2-node
-    job started a minute late whenever the later node reached the spool first)."""
+    with their own run directories), or as delivered from this spool (a run directory the nodes
+    share). The wait holds no lock of the spool: a node that waited inside the delivery of a shared
+    spool kept the first node from delivering the run it waited for (a 2-node job started a minute
+    late whenever the later node reached the spool first)."""
     from .delivery import client_for
 
     deadline = time.monotonic() + wait_s
@@ -147,8 +147,7 @@ def _wait_for_the_first_node(spool: Spool, uri: str, experiment: str, key: str, 
         try:
             client = client or client_for(credentials.use(uri))
             exp = client.get_experiment_by_name(experiment)
-            if exp is not None and client.search_runs(
-                    [exp.experiment_id], filter_string=f"tags.`trainkit.run_key` = '{key}' and attributes.status = 'RUNNING'"):
+            if exp is not None and find_run(client, exp.experiment_id, key, join=True):
                 return
         except Exception:  # the server not up yet: keep waiting, delivery reports what stays wrong
             pass
