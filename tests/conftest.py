@@ -40,12 +40,13 @@ def one_rank(tmp_path_factory, corpus) -> list[float]:
 
 # --------------------------------------------------------------------------- tiers: `pytest -m "not slow"`
 # A test that starts a process (a CLI subprocess, torchrun, an MLflow server, a browser) is marked
-# `slow` (or `distributed`, which implies it); the development tier `pytest -m "not slow"` is what
+# `slow` (or `distributed` or `gpu`, which imply it); the development tier `pytest -m "not slow"` is what
 # runs in-process. The check below is what keeps the marks true: a test that starts a process without
 # the mark fails, naming the mark to add (TRAINKIT_MARKER_AUDIT=FILE lists offenders instead).
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("distributed") and not item.get_closest_marker("slow"):
+        if (item.get_closest_marker("distributed") or item.get_closest_marker("gpu")) \
+                and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
 
 

@@ -55,3 +55,44 @@ def test_cuda_oom_is_explained_with_a_memory_snapshot_that_report_points_to(tmp_
     assert snapshot.is_file() and snapshot.stat().st_size > 0
     report = trainkit(tmp_path, "report", str(run_dir))
     assert "Out of memory" in report.stdout and str(snapshot) in report.stdout, report.output
+
+
+HOG = """
+import sys, time, torch
+free, _ = torch.cuda.mem_get_info()
+held = torch.empty(free - int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+print("holding", held.numel(), flush=True)
+time.sleep(600)
+"""
+
+
+@needs_cuda
+def test_memory_another_process_holds_is_out_of_the_budget(tmp_path):
+    """Guards issue 41 item 3 on a real GPU: another process holds all but 3 GiB of the device.
+    `trainkit doctor` and `trainkit run` budget what is free at launch, not the device's total: a
+    recipe predicted at ~6 GiB (an MLP of ~370 M parameters with AdamW) is refused before launch,
+    naming the free memory, rather than started into a CUDA out-of-memory. Seen on one H200 with
+    139.8 GiB: "will not fit: predicted 6.1 GiB per rank ... vs 2.4 GiB per rank = 2.4 GiB free of
+    139.8 GiB on NVIDIA H200"."""
+    import subprocess
+    import sys
+
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(3 * 2**30)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().startswith("holding")
+        model = {"name": "mlp", "args": {"in_features": 4096, "hidden": 8192, "depth": 6, "num_classes": 10}}
+        data = {"batch_size": 32, "num_samples": 256, "shape": [4096], "num_classes": 10}
+        recipe = mlp_recipe(tmp_path, "held", model=model, data=data, launch={"nproc_per_node": 1, "max_restarts": 2},
+                            trainer={"max_steps": 3})
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        for command in ("doctor", "run"):
+            result = trainkit(tmp_path, command, str(recipe))
+            assert result.returncode != 0, result.output
+            assert "will not fit" in result.output and "free of" in result.output, result.output
+            free = float(result.output.split(" free of ")[0].rsplit(" ", 2)[-2])
+            assert free < 4, (free, total, result.output)  # what the other process left, not the total
+        assert "not started" in result.output
+        assert not (tmp_path / "runs" / "held" / "logs").exists()  # nothing was launched
+    finally:
+        hog.kill()
+        hog.wait(timeout=30)
