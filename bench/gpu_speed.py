@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from anywhere: `python bench/gpu_speed.py`
+from trainkit.run_dir import read_metrics  # noqa: E402
 
 LLAMA_1B = {"vocab_size": 32000, "dim": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "seq_len": 2048,
             "ffn_hidden": 8192, "rope_theta": 500000.0}
@@ -73,9 +75,9 @@ def family(name: str, small: bool) -> dict:
     return {**spec, **spec["small"]} if small else spec
 
 
-def flops_per_sample(name: str, spec: dict) -> float:
-    """Training FLOPs of one sequence (transformer, torchtitan's count) or one 224x224 image."""
-    if name != "transformer":
+def flops_per_sample(spec: dict) -> float:
+    """Training FLOPs of one sequence (a language model: torchtitan's count) or one 224x224 image."""
+    if "shape" in spec:  # images
         return RESNET152_FLOPS_PER_IMAGE
     import torch
 
@@ -109,7 +111,7 @@ def plain(args) -> None:
     step_fn = torch.compile(model) if perf.get("compile") else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     batch = spec["batch"]
-    if args.family == "transformer":
+    if "shape" not in spec:  # a language model: token sequences
         seq, vocab = spec["model"]["args"]["seq_len"], spec["model"]["args"]["vocab_size"]
         tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -140,7 +142,7 @@ def trainkit_recipe(folder: Path, name: str, fam: str, spec: dict, perf: dict, s
                     log_every: int, corpus: dict | None) -> Path:
     import yaml
 
-    if fam == "transformer":
+    if "shape" not in spec:  # a language model: token sequences
         seq = spec["model"]["args"]["seq_len"]
         data = {"name": "text", **corpus, "seq_len": seq, "batch_size": spec["batch"], **LOADER}
         task = {"name": "causal_lm"}
@@ -203,18 +205,18 @@ def run_one(folder: Path, index: int, config: tuple, args, corpus: dict | None) 
                               capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode:
             return {"family": fam, "label": label, "error": (proc.stdout + proc.stderr)[-3000:]}
-        rows = [json.loads(line) for line in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(folder / "runs" / name)
         times = {r["step"]: r["time"] for r in rows if "step" in r and "time" in r}
         peak = max((v for r in rows for k, v in r.items() if k.endswith("allocated_mb")), default=0) * 2**20
         trainkit_mfu = next((r["throughput/mfu"] for r in reversed(rows) if "throughput/mfu" in r), None)
         shutil.rmtree(folder / "runs" / name)  # its end-of-run checkpoint: 13 GiB at 1 B parameters
     step_s, windows = steady(times, args.warmup)
-    per_step = spec["batch"] * (spec["model"]["args"]["seq_len"] if fam == "transformer" else 1)
+    per_step = spec["batch"] * (1 if "shape" in spec else spec["model"]["args"]["seq_len"])
     return {"family": fam, "label": label, "side": side, "performance": perf, "strategy": strategy, "step_s": step_s,
             "window_min_s": min(windows), "window_max_s": max(windows),
-            "per_s": per_step / step_s, "unit": "tokens" if fam == "transformer" else "images",
+            "per_s": per_step / step_s, "unit": "images" if "shape" in spec else "tokens",
             "peak_gib": peak / 2**30, "trainkit_mfu": trainkit_mfu, "wall_s": time.time() - started,
-            "flops_per_step": spec["batch"] * flops_per_sample(fam, spec)}
+            "flops_per_step": spec["batch"] * flops_per_sample(spec)}
 
 
 def main() -> None:
@@ -248,8 +250,9 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     configs = [c for c in CONFIGS if not only or c[0] in only or f"{c[0]}:{c[1]}" in only]
     corpus = None
-    if any(c[0] == "transformer" for c in configs):
-        corpus = make_corpus(folder, family("transformer", args.small)["model"]["args"]["vocab_size"])
+    lm = next((c[0] for c in configs if "shape" not in family(c[0], args.small)), None)
+    if lm:
+        corpus = make_corpus(folder, family(lm, args.small)["model"]["args"]["vocab_size"])
     results = []
     for index, config in enumerate(configs):
         row = run_one(folder, index, config, args, corpus)

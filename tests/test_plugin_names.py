@@ -53,6 +53,8 @@ ALLOWED = {
         "'synthetic' is an answer to init's data question (the word a user types instead of a folder), which init "
         "turns into a data block; no recipe's dataset name is read back"),
     "bench/memory_plan.py": (("ddp", "fsdp"), _BENCH_CASES),
+    "bench/gpu_speed.py": (("memory", "throughput"), "the two monitors whose metrics the benchmark reads "
+                                                    "(throughput's MFU, memory's peak), named in the recipes it writes"),
     "bench/strategies_memory.py": (("ddp", "fsdp"), _BENCH_CASES),
     "bench/overhead.py": (
         ("system", "gpu", "throughput", "breakdown", "memory", "stragglers"),
