@@ -74,7 +74,9 @@ class LaunchOptions(Block):
     rdzv_backend: Literal["c10d", "static"] = Field(default="c10d", description="rendezvous backend")
     rdzv_endpoint: Optional[str] = Field(default=None, description="HOST:PORT of the rendezvous (multi-node)")
     rdzv_id: Optional[str] = Field(default=None, description="job id shared by all nodes")
-    monitor_interval: PositiveFloat = Field(default=1.0, description="seconds between agent health checks")
+    monitor_interval: PositiveFloat = Field(default=0.1, description="seconds between agent health checks "
+                                                                      "(torchrun's default; a finished or failed worker is "
+                                                                      "noticed within it)")
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl with CUDA, else gloo")
     timeout_s: PositiveInt = Field(default=600, description="collective timeout")
     hang_timeout_s: Optional[PositiveFloat] = Field(
