@@ -6,6 +6,8 @@ need no heavy imports; checks that need torch/DeepSpeed live in `deep_checks`.
 
 from __future__ import annotations
 
+import importlib.util
+
 from typing import Callable, Iterator
 
 from . import mesh_rules, paths
@@ -201,6 +203,12 @@ def performance_options_fit_the_strategy(r: Recipe) -> Iterator[Finding]:
     for option, why in s.capabilities().unsupported_performance.items():
         if getattr(p, option, None) != getattr(defaults, option, None):
             yield ("performance", option), f"{option} is not supported by strategy {s.name}: {why}"
+    if p.float8 and r.precision != "bf16":
+        yield ("performance", "float8"), (
+            f"float8 linears run inside bf16 autocast (torchao's float8 training: the other ops, the master weights "
+            f"and the optimizer stay as with bf16); precision is {r.precision}: set precision: bf16")
+    if p.float8 and importlib.util.find_spec("torchao") is None:
+        yield ("performance", "float8"), "float8 linears need torchao: pip install torchao"
     ac = p.checkpointing
     if ac.mode == "full" and ac.every_n_blocks != 1:
         yield ("performance", "activation_checkpointing", "every_n_blocks"), (

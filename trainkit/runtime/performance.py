@@ -109,7 +109,39 @@ def prepare_model(model: nn.Module, perf: PerformanceOptions, *, contiguous_para
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if perf.channels_last and not contiguous_parameters:
         model = model.to(memory_format=torch.channels_last)
+    if perf.float8:
+        convert_to_float8(model)
     return model
+
+
+def float8_linears(model: nn.Module) -> list[str]:
+    """The Linear layers float8 converts: every one except the model's last (the output head, whose
+    logits are the most precision-sensitive matmul -- torchtitan leaves its `output` in bf16 too) and
+    those with a dimension not divisible by 16 (float8 matmul kernels need multiples of 16)."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return [name for name, m in linears[:-1] if m.in_features % 16 == 0 and m.out_features % 16 == 0]
+
+
+def convert_to_float8(model: nn.Module) -> list[str]:
+    """torchao's float8 training (dynamic tensorwise scaling) on `float8_linears(model)`, in place: each
+    becomes a `Float8Linear` -- an nn.Linear subclass with the same parameters and names, so checkpoints
+    load either way -- whose forward and backward matmuls cast to float8 with a fresh scale per tensor.
+    Returns the converted names. Before the strategy wraps the model (FSDP shards Float8Linear as any
+    Linear; its float8 all-gather is not enabled)."""
+    import logging
+
+    # torchao's import registers an Enum with torch's pytree, which logs a deprecation warning on every
+    # rank (torch >= 2.14); quiet only that logger, only for the import
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import convert_to_float8_training
+    finally:
+        pytree_log.setLevel(level)
+    chosen = set(float8_linears(model))
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in chosen)
+    return sorted(chosen)
 
 
 def checkpointed_blocks(model: nn.Module, ac: ActivationCheckpointingOptions) -> list[nn.Module]:
@@ -191,4 +223,5 @@ def channels_last_input(x):
 
 
 __all__ = ["apply_activation_checkpointing", "channels_last_input", "checkpoint_blocks", "checkpointed_blocks",
-           "compile_kwargs", "compile_module", "block_classes", "prepare_model", "repeated_blocks", "set_backend_flags"]
+           "compile_kwargs", "compile_module", "block_classes", "convert_to_float8", "float8_linears", "prepare_model",
+           "repeated_blocks", "set_backend_flags"]

@@ -155,6 +155,16 @@ def _devices(r) -> Iterator[Finding]:
     if compile_options is not None and compile_options.mode == "reduce-overhead" and acc.device_type == "cpu":
         yield ("performance", "compile", "mode"), "reduce-overhead uses CUDA graphs, which the CPU does not have; " \
             "use mode default", "warning"
+    if r.performance.float8 and acc.device_type == "cuda":
+        capability = torch.cuda.get_device_capability(acc.device)
+        if capability < (8, 9):
+            yield ("performance", "float8"), (
+                f"float8 matmuls need a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell); "
+                f"{torch.cuda.get_device_name(acc.device)} is {capability[0]}.{capability[1]}: set performance.float8: "
+                "false"), "error"
+    if r.performance.float8 and acc.device_type == "cpu":
+        yield ("performance", "float8"), "float8 on the CPU computes correctly but slower than bf16 (torch's CPU " \
+            "float8 matmul has no matrix-unit kernel); it is meant for testing a GPU recipe", "warning"
     if r.precision == "fp16" and acc.device_type == "cpu":
         yield ("precision",), "fp16 on the CPU is slow (no fp16 matrix units); it is meant for testing loss " \
             "scaling: use bf16 or fp32 for real CPU training", "warning"

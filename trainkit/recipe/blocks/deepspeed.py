@@ -9,7 +9,8 @@ from pydantic import Field
 
 from .base import Finding
 from .knobs import Knob
-from .strategy import Capabilities, MemoryLayout, ParallelDims, StrategyOptions
+from .strategy import (FLOAT8_NOT_VERIFIED, SYNC_BATCHNORM_NEEDS_DDP, Capabilities, MemoryLayout, ParallelDims,
+                       StrategyOptions)
 from .training import AdamOptions
 
 # ds_config keys the recipe sets itself: -> the recipe key to use instead
@@ -62,6 +63,7 @@ class DeepSpeedOptions(StrategyOptions):
                             background_save_refusal="DeepSpeed writes its checkpoints through its engine's own "
                                                     "save, which has no background write here",
                             owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release",
+                            unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "float8": FLOAT8_NOT_VERIFIED},
                             contiguous_parameters=True, mesh_dims=frozenset(
                                 {"dp_replicate" if self.zero_stage == 0 else "dp_shard"}))
 

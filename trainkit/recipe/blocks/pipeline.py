@@ -15,7 +15,7 @@ from pydantic import Field, PositiveInt
 
 from ..model_facts import facts_for
 from .base import Finding
-from .strategy import SYNC_BATCHNORM_NEEDS_DDP, Capabilities, MemoryLayout, ParallelDims, StrategyOptions
+from .strategy import FLOAT8_NOT_VERIFIED, SYNC_BATCHNORM_NEEDS_DDP, Capabilities, MemoryLayout, ParallelDims, StrategyOptions
 
 
 class PipelineOptions(StrategyOptions):
@@ -57,7 +57,8 @@ class PipelineOptions(StrategyOptions):
                                                     "naming the whole model), with no background write",
                             precisions=frozenset({"fp32", "bf16"}),
                             mesh_dims=frozenset({"pp", "dp_replicate", "dp_shard", "tp"}),
-                            unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "channels_last": (
+                            unsupported_performance={**SYNC_BATCHNORM_NEEDS_DDP, "float8": FLOAT8_NOT_VERIFIED,
+                                                     "channels_last": (
                                 "torch.distributed.pipelining sends activations between stages with P2P send/recv, "
                                 "which need contiguous tensors, and a channels_last activation is not; set it to "
                                 "false (or use ddp, fsdp or deepspeed for channels_last)")})

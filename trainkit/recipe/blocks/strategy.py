@@ -142,6 +142,10 @@ ALL_GRADIENTS = sys.maxsize  # gradient_bucket_elements: every gradient has a bu
 
 SYNC_BATCHNORM_NEEDS_DDP = {"sync_batchnorm": "torch's SyncBatchNorm synchronises statistics through DDP's process "
                                               "group; set it to false, or use strategy ddp"}
+# where float8 linears have not been verified: DeepSpeed's engine casts the model to its own bf16 copy,
+# and the pipeline splits (or traces) the model, neither of which has been run with torchao's Float8Linear
+FLOAT8_NOT_VERIFIED = ("float8 linears (torchao) have not been verified with this strategy; set "
+                       "performance.float8: false, or use strategy ddp or fsdp")
 
 
 class StrategyOptions(PluginBlock):

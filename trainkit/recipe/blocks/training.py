@@ -135,6 +135,10 @@ class PerformanceOptions(Block):
                                                            "(faster convolutions on tensor cores and CPUs)")
     cudnn_benchmark: bool = Field(default=False, description="let cuDNN time convolution algorithms at the first "
                                                              "step (fixed input shapes only)")
+    float8: bool = Field(default=False, description="the model's Linear layers compute their matmuls in float8 "
+                                                    "(torchao's float8 training, dynamic scaling; precision bf16; "
+                                                    "GPUs of compute capability 8.9+; the output head and layers "
+                                                    "with a dimension not divisible by 16 stay bf16)")
     sync_batchnorm: bool = Field(default=False, description="ddp: BatchNorm statistics over the global batch "
                                                             "(one all-reduce per BatchNorm layer per step)")
     activation_checkpointing: Union[Literal["none", "full", "selective"], ActivationCheckpointingOptions] = Field(
