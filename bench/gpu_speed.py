@@ -8,7 +8,8 @@ saves, side by side (issue 40's GPU figures, issue 37's "memory *and* speed").
 Families (bf16 autocast, AdamW, one process):
 - transformer: the built-in Llama-style decoder at ~1.2 B parameters (dim 2048, 16 layers, GQA 32/8,
   SwiGLU 8192, vocab 32000, 2048 tokens x 4 sequences per step) -- recipes/llama-1b-fsdp.yaml's model;
-  eager, compiled (each block), activation checkpointing (each block), both.
+  eager, compiled (each block), activation checkpointing (each block), both, float8 linears (eager and
+  compiled).
 - resnet152: torchvision's ResNet-152, 224x224 images, channels_last; eager and compiled.
 
 Each configuration is a fresh process (the GPU's memory and the compile caches start empty); the
@@ -58,6 +59,8 @@ CONFIGS = [
     ("transformer", "trainkit + compile + checkpointing", "trainkit",
      {"compile": True, "activation_checkpointing": "full"}),
     ("transformer", "trainkit + gradient_as_bucket_view", "trainkit", {}, {"gradient_as_bucket_view": True}),
+    ("transformer", "trainkit + float8", "trainkit", {"float8": True}),
+    ("transformer", "trainkit + compile + float8", "trainkit", {"compile": True, "float8": True}),
     ("resnet152", "hand-written loop", "plain", {"channels_last": True}),
     ("resnet152", "trainkit", "trainkit", {"channels_last": True}),
     ("resnet152", "trainkit + compile", "trainkit", {"channels_last": True, "compile": True}),

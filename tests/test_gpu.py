@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grid_runs import problems_of, record, run_alone, run_grid
-from run_helpers import mlp_recipe, trainkit
+from run_helpers import mlp_recipe, trainkit, write_recipe
 from trainkit.recipe.compatibility import declared_cells, statuses
 
 pytestmark = pytest.mark.gpu
@@ -122,6 +122,31 @@ def test_fsdp_cpu_offload_with_a_seeded_batchnorm_model_trains_on_the_gpu(tmp_pa
     result = trainkit(tmp_path, "run", str(recipe))
     assert result.returncode == 0, result.output
     assert all(r["loss"] == r["loss"] for r in metrics(tmp_path, "offload-bn") if "loss" in r)
+
+
+@needs_cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 needs compute capability 8.9+")
+def test_float8_follows_bf16_on_the_gpu(tmp_path, corpus):
+    """Issue 40 item 2 on a GPU with float8 tensor cores: the built-in transformer (dim 256) with
+    `performance.float8` follows the bf16 run over 40 steps within 5% of each logged loss (float8
+    rounds matmul inputs to 3 mantissa bits; on the CPU the bound is 1e-2 over 6 steps) and learns."""
+    from lm_runs import tiny_lm
+
+    preset = {**tiny_lm(corpus), "precision": "bf16", "optimizer": {"name": "adamw", "lr": 1e-3},
+              "model": {"name": "transformer", "args": {"vocab_size": 320, "dim": 256, "layers": 4, "heads": 4,
+                                                          "seq_len": 32}, "init": "seeded"},
+              "trainer": {"max_steps": 40, "log_every": 10}, "launch": {"nproc_per_node": 1}}
+    runs = {}
+    for name, perf in (("bf16", {}), ("float8", {"float8": True})):
+        path = write_recipe(tmp_path, name, preset, performance=perf)
+        result = trainkit(tmp_path, "run", str(path))
+        assert result.returncode == 0, result.output[-4000:]
+        runs[name] = [r["loss"] for r in metrics(tmp_path, name) if "loss" in r]
+    assert "float8: 28 of 29 Linear layers" in result.output, result.output[-3000:]
+    for a, b in zip(runs["float8"], runs["bf16"]):
+        assert abs(a - b) <= 0.05 * abs(b), runs
+    assert runs["float8"][-1] < runs["float8"][0]
 
 
 # --------------------------------------------------------------------------- the grid on CUDA
