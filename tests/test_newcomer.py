@@ -72,7 +72,7 @@ def test_the_distribution_has_its_own_name_on_the_package_index_and_plugins_depe
     assert made.returncode == 0, made.output
     assert declared_name(tmp_path / "trainkit-tiny" / "pyproject.toml")[1] == [DISTRIBUTION]
     installed = distribution(DISTRIBUTION)  # the checkout installed under that name, its command still `trainkit`
-    assert "trainkit = trainkit.cli:main" in installed.read_text("entry_points.txt")
+    assert "trainkit = trainkit.cli:entry" in installed.read_text("entry_points.txt")
     assert set(names("strategies", builtin_only=True)) >= {"ddp", "fsdp", "pipeline", "deepspeed"}
     extras = [str(f) for f in [*REPO.glob("trainkit/**/*.py"), *REPO.glob("docs/*.md"), REPO / "README.md"]
               if "trainkit[" in f.read_text()]  # `pip install 'trainkit[hf]'` installs the unrelated project
