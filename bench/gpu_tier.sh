@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu_tier.sh OUT            # speed + tests  (~7 min on one H200)
 #   bash bench/gpu_tier.sh OUT grid       # the grid on one device (~3 min), recorded as `gpu-1`
+#   bash bench/gpu_tier.sh OUT checkpoint # async_save's blocking time per save, pinned staging (~1.5 min)
 #   bash bench/gpu_tier.sh OUT install    # only the wheels below and the environment report
 #
 # Where the node lacks trainkit's dependencies and has no index, put their wheels in .whl/ (the
@@ -28,6 +29,10 @@ fi
 } 2>&1 | tee "$OUT/env.txt"
 
 [ "$STAGE" = install ] && exit 0
+if [ "$STAGE" = checkpoint ]; then  # async_save's blocking time with pinned, reused staging (~1.5 min)
+  timeout 240 "$PY" bench/checkpoint_blocking.py --device cuda --nproc 1 --pairs 5 2>&1 | tee "$OUT/checkpoint.log"
+  exit 0
+fi
 if [ "$STAGE" = grid ]; then
   TRAINKIT_GRID_RECORD=1 TRAINKIT_GRID_TIMEOUT_S=${GRID_TIMEOUT_S:-240} timeout 300 "$PY" -m pytest -m gpu -q -rA \
     -p no:randomly -p no:cacheprovider tests/test_gpu.py -k one_cuda_device 2>&1 | tee "$OUT/grid.log"

@@ -226,14 +226,16 @@ STAGED = ("parameters", "fp32 master weights", "optimizer state", "buffers")  # 
 
 
 def _staged_checkpoint(parts: list[Part]) -> Part:
-    """`async_save`: DCP's default stager copies every tensor of the rank's state dict (its parameters,
-    optimizer state and buffers, as the rank holds them: its shards under FSDP, all of it under DDP) into
-    new host memory, neither pinned nor kept between saves, and holds the copy until the background
-    write is done: through the steps that follow the save, so it adds to their peak."""
+    """`async_save`: the stager copies every tensor of the rank's state dict (its parameters, optimizer
+    state and buffers, as the rank holds them: its shards under FSDP, all of it under DDP) into host
+    memory and holds the copy until the background write is done: through the steps that follow the
+    save, so it adds to their peak. On the CPU DCP's default stager makes a fresh copy per save; on a GPU
+    trainkit's stager keeps its pinned buffers from the first save to the end of the run
+    (runtime/checkpoint_async.py): the same bytes, held for longer."""
     staged = [p for p in parts if p.name in STAGED]
     return Part("checkpoint staging", sum(p.bytes for p in staged), "host",
                 f"async_save: a host copy of this rank's {' + '.join(p.name for p in staged)} while a save "
-                "writes")
+                "writes (pinned and kept for the run on a GPU)")
 
 
 def _activations(sizes: ModelSizes, s: Setting) -> Optional[Part]:
