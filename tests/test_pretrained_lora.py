@@ -14,6 +14,7 @@ What a user relies on, measured on the files the run leaves:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,35 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     expected = peft_model(input_ids=tokens).logits
     assert torch.allclose(model.eval()(tokens), expected, rtol=1e-5, atol=1e-6)
+
+    # `trainkit export --hf`: one Hugging Face directory, adapters merged, that plain transformers serves
+    from safetensors import safe_open
+
+    from trainkit.runtime.export_hf import export_hf
+
+    merged_dir = tmp_path / "merged"
+    export_hf(run_dir / "checkpoints" / f"step-{steps:08d}", merged_dir)
+    with safe_open(str(merged_dir / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if "lora_" in k or "base_layer" in k], list(f.keys())[:10]
+    assert {p.name for p in Path(pretrained).iterdir() if p.name.startswith("tokenizer")} <= \
+        {p.name for p in merged_dir.iterdir()}
+    served = AutoModelForCausalLM.from_pretrained(str(merged_dir), torch_dtype=torch.float32).eval()
+    assert torch.allclose(served(input_ids=tokens).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_export_hf_refuses_a_model_that_is_not_a_hugging_face_one(tmp_path):
+    """A checkpoint of the built-in MLP cannot become a Hugging Face directory: refused, naming the
+    model and the export that does work, before anything is read or written."""
+    from trainkit.run_dir import CHECKPOINT_RECIPE
+    from trainkit.runtime.export import ExportError
+    from trainkit.runtime.export_hf import export_hf
+
+    folder = tmp_path / "step-00000003"
+    folder.mkdir()
+    (folder / CHECKPOINT_RECIPE).write_text(json.dumps({"model": {"name": "mlp", "args": {"in_features": 8}}}))
+    with pytest.raises(ExportError, match=r"not a Hugging Face model \(model: hf_causal_lm\).*without --hf"):
+        export_hf(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_validate_refuses_a_bad_pretrained_directory_with_file_level_messages(tmp_path, pretrained):

@@ -258,11 +258,16 @@ sbatch train.sbatch""")
 
     p = _command(sub, "export", "write a checkpoint's model as one consolidated state_dict file (any strategy)",
                  "Consolidate a checkpoint written by any strategy (DDP, FSDP, DeepSpeed, pipeline) into one "
-                 "state_dict file that torch.load and model.load_state_dict read.",
+                 "state_dict file that torch.load and model.load_state_dict read; with --hf, a Hugging Face "
+                 "model's checkpoint as a directory from_pretrained reads (LoRA adapters merged in).",
                  """
-trainkit export runs/ddp-mlp/checkpoints/step-00000100 ddp-mlp.pt""")
+trainkit export runs/ddp-mlp/checkpoints/step-00000100 ddp-mlp.pt
+trainkit export runs/llama-lora/checkpoints/step-00001000 llama-tuned --hf""")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="e.g. runs/NAME/checkpoints/step-00000100")
-    p.add_argument("out", metavar="OUT.pt", help="file for torch.load + model.load_state_dict")
+    p.add_argument("out", metavar="OUT", help="file for torch.load + model.load_state_dict (with --hf: a new directory)")
+    p.add_argument("--hf", action="store_true",
+                   help="write a Hugging Face model directory (config.json, model.safetensors, the pretrained "
+                        "directory's tokenizer files), LoRA adapters merged into the weights")
     p.set_defaults(func=cmd_export)
 
     p = _command(sub, "runs", "list recent runs in the MLflow store",
@@ -720,7 +725,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .runtime.export import ExportError, export
 
     try:
-        print(export(args.checkpoint, args.out))
+        if args.hf:
+            from .runtime.export_hf import export_hf
+
+            print(export_hf(args.checkpoint, args.out))
+        else:
+            print(export(args.checkpoint, args.out))
     except ExportError as exc:
         print(f"trainkit: export: {exc}", file=sys.stderr)
         return EXIT_INVALID

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+# what transformers' tokenizers save beside a model (`save_pretrained` of a tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
 class HFCausalLM(nn.Module):
@@ -46,6 +49,24 @@ class HFCausalLM(nn.Module):
         inner = {k.removeprefix("model."): v for k, v in state_dict.items()}  # PEFT picks its adapters' keys
         self.model.save_pretrained(directory, state_dict=inner, safe_serialization=True)
         return True
+
+    def save_merged(self, directory) -> list[str]:
+        """Write the model as a Hugging Face directory (`save_pretrained`, safetensors, fp32 master
+        weights: `from_pretrained(..., torch_dtype=...)` casts on load), LoRA adapters folded into the base
+        weights (PEFT's `merge_and_unload`: W + B A x alpha/r); and the tokenizer files of the pretrained
+        directory, where it had them. Returns the files written. Merging changes this module in place."""
+        import shutil
+        from pathlib import Path
+
+        model = self.model.merge_and_unload() if hasattr(self.model, "peft_config") else self.model
+        model.config.use_cache = True  # trainkit trains without the KV cache; generation wants it
+        model.save_pretrained(directory, safe_serialization=True)
+        if self.pretrained_dir:
+            for tokenizer_file in TOKENIZER_FILES:
+                source = Path(self.pretrained_dir) / tokenizer_file
+                if source.is_file():
+                    shutil.copy2(source, Path(directory) / tokenizer_file)
+        return sorted(p.name for p in Path(directory).iterdir())
 
     @property
     def max_seq_len(self) -> Optional[int]:
