@@ -12,6 +12,7 @@ the loss by 1e-2 or more after one step.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,4 +94,35 @@ def test_exhausted_restarts_name_the_rank_that_failed_first(tmp_path):
     assert result.returncode == 1, result.output
     assert "rank 1 (local rank 1" in result.stderr and "failed first" in result.stderr
     assert "exits at step 3" in result.stderr  # the last lines of its log
+    assert "Traceback" not in result.output
+
+
+class FailsOnRankOne(torch.nn.Module):
+    """An MLP whose forward on rank 1 raises at its second call, as a rank meets a missing file."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(48, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2 and os.environ.get("RANK") == "1":
+            raise FileNotFoundError("[Errno 2] No such file or directory: 'shards/part-00003.bin'")
+        return self.layer(torch.flatten(x, 1))
+
+
+def test_a_rank_that_raises_is_reported_with_its_own_exception(tmp_path):
+    """Issue 38 #10: the failure report names the exception the rank raised (type and message, from
+    its error file), not "exited without a Python exception", and the console shows no traceback."""
+    recipe = mlp_recipe(tmp_path, "raises", model={"name": "test_run_ddp:FailsOnRankOne", "args": {}},
+                        trainer={"max_steps": 4, "checkpoint": {"every": 100}})
+    here = str(Path(__file__).resolve().parent)
+    result = trainkit(tmp_path, "run", str(recipe),
+                      PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p))
+    assert result.returncode == 1, result.output
+    assert "rank 1 (local rank 1" in result.stderr and "failed first" in result.stderr, result.stderr
+    error = next(line for line in result.stderr.splitlines() if line.strip().startswith("error:"))
+    assert "FileNotFoundError" in error and "part-00003.bin" in error, result.stderr
+    assert "without a Python exception" not in result.stderr
     assert "Traceback" not in result.output
