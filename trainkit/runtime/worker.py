@@ -43,7 +43,7 @@ from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
-from .mesh import build_mesh
+from .mesh import build_mesh, seed_tensor_parallel_random
 from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
@@ -141,6 +141,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     # per-rank randomness (augmentation, dropout), shared by the ranks of one tensor-parallel group (the
     # innermost mesh dimension: neighbouring ranks), whose replicated activations must drop the same units
     seed_everything(seed + rank // dims.tp)
+    seed_tensor_parallel_random(seed + rank // dims.tp, strategy.run_mesh)  # no broadcast of rank 0's GPU generator
     task = registry.component(recipe.task)(recipe.task, device=device, recipe=recipe)
 
     train_set, eval_set = build_datasets(recipe.data, seed)
