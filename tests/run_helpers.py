@@ -121,11 +121,22 @@ def summary(run_dir: Path) -> dict:
 
 # --------------------------------------------------------------------------- a real MLflow server
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, below the kernel's ephemeral range (32768-60999 on Linux): a port the kernel
+    hands out itself (bind to 0) can be handed out again -- to a rank's gloo or store socket -- before
+    the test's server binds it (an MLflow server started mid-run found its port taken). Ports below the
+    range are only ever taken by explicit binds."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def start_mlflow_server(folder: Path, port: int, host: str = "127.0.0.1") -> subprocess.Popen:
@@ -141,6 +152,8 @@ def start_mlflow_server(folder: Path, port: int, host: str = "127.0.0.1") -> sub
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
+        if proc.poll() is not None:  # it exited (its port taken, a bad store): no use waiting the 90 s
+            raise AssertionError(f"mlflow server exited with {proc.returncode} before answering on port {port}")
         try:
             if urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2).status == 200:
                 return proc
