@@ -141,7 +141,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     # per-rank randomness (augmentation, dropout), shared by the ranks of one tensor-parallel group (the
     # innermost mesh dimension: neighbouring ranks), whose replicated activations must drop the same units
     seed_everything(seed + rank // dims.tp)
-    seed_tensor_parallel_random(seed + rank // dims.tp, getattr(strategy, "run_mesh", None))  # no broadcast of rank 0's GPU generator
+    # and no broadcast of rank 0's GPU generator by DTensor's RNG tracker (tensor parallel on GPUs)
+    seed_tensor_parallel_random(seed + rank // dims.tp, getattr(strategy, "run_mesh", None))
     task = registry.component(recipe.task)(recipe.task, device=device, recipe=recipe)
 
     train_set, eval_set = build_datasets(recipe.data, seed)
