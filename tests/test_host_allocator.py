@@ -65,7 +65,8 @@ def test_retain_stops_the_kernel_refaulting_each_steps_tensors():
     applied_system, system = probe(STEPS, "system")
     applied_retain, retain = probe(STEPS, "retain")
     assert (applied_system, applied_retain) == ("system", "retain")
-    assert system > 5000, f"the probe should show the problem: {system:.0f} faults/step with system malloc"
+    # thousands of pages per step: 4,500-6,500 seen on this machine (the heap's state varies by run)
+    assert system > 2000, f"the probe should show the problem: {system:.0f} faults/step with system malloc"
     assert retain < system / 5, f"retain: {retain:.0f} faults/step, system: {system:.0f}"
 
 
