@@ -50,7 +50,7 @@ from .optim import build_optimizer, build_scheduler
 from .pretrained import load_pretrained, save_adapter
 from .parent_watch import die_with_launcher, stop_when_launcher_falls_silent
 from .warnings_once import show_each_warning_once
-from .performance import prepare_model, set_backend_flags
+from .performance import float8_linears, prepare_model, set_backend_flags
 from .precision import Precision
 from .process_group import init_process_group
 from .progress import Progress
@@ -123,13 +123,12 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     phases = StartupPhases(rank == 0, _process_start())
     phases.say(f"workers up: {dist.get_world_size()} rank(s) in the process group")
     model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    if recipe.performance.float8:
+        linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        phases.say(f"float8: {len(float8_linears(model))} of {linears} Linear layers compute in float8 (the output "
+                   f"head and layers with a dimension not divisible by 16 stay bf16)")
     model = prepare_model(model, recipe.performance,  # SyncBatchNorm, channels_last, float8: before wrapping
                           contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters)
-    if recipe.performance.float8:
-        converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-        phases.say(f"float8: {converted} of {linears} Linear layers compute in float8 (the output head and layers "
-                   f"with a dimension not divisible by 16 stay bf16)")
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
