@@ -223,7 +223,7 @@ def test_doctor_counts_gpus_only_when_the_recipe_runs_on_them(tmp_path, monkeypa
 
 # --------------------------------------------------------------------------- FSDP mixed precision
 _FSDP_DTYPES = """
-import json, sys, tempfile, torch, torch.distributed as dist
+import json, os, sys, tempfile, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from trainkit.models import mlp
 from trainkit.recipe.blocks import FSDPOptions
@@ -239,6 +239,7 @@ out.float().sum().backward()
 print(json.dumps({"blocks": seen, "root": str(out.dtype),
                   "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}))
 dist.barrier(); dist.destroy_process_group()
+sys.stdout.flush(); os._exit(0)  # no interpreter finalization racing gloo's threads (as the worker leaves)
 """
 
 
