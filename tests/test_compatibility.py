@@ -81,10 +81,10 @@ def test_every_cell_validate_accepts_trains_follows_its_reference_resumes_and_ex
                command="TRAINKIT_GRID_RECORD=1 pytest tests/test_compatibility.py")
     assert not failures, json.dumps(failures, indent=1)[-20000:]
     assert len(outcomes) >= 150
-    # each cell started with the default group only: the runner destroys what the cell before made
-    # (kept, 6 groups and 18 threads a cell made the grid's later cells run 2-4x slower)
-    leaked = {o.cell.id: o.result.get("process_groups_at_start") for o in outcomes}
-    assert set(leaked.values()) == {1}, {cell: n for cell, n in leaked.items() if n != 1}
+    # the runs share the process's device mesh (runtime/mesh.py): a new one per cell kept ~6 groups and
+    # 18 threads a cell alive, 1,300 groups by the grid's end, and made its later cells 2-4x slower
+    groups = [o.result.get("process_groups_at_start", 0) for o in outcomes]
+    assert max(groups) <= 30, groups
     # a cell that stopped once and passed from scratch (grid_runs' retry: the bf16 small-map case, issue 26)
     # passes, but never silently: CI's warnings summary names it
     retried = {o.cell.id: o.result["retried_after"] for o in outcomes if "retried_after" in o.result}

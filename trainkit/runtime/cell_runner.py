@@ -20,8 +20,7 @@ written by the caller) it checks:
 Rank 0 writes RUN_DIR/cell-result.json (losses of each pass, export outcome, or the error), then
 removes the run's checkpoints unless the list says `keep_checkpoints`. With `reports` in the list,
 each training pass also writes the run's reports (reports/breakdown.json, bottleneck.md), as a
-launched worker does. Before each cell the groups the cell before made are destroyed (a worker makes
-them once and leaves). A
+launched worker does. A
 failing cell is recorded and the next one runs: the other ranks leave the failed collective at the
 recipe's launch.timeout_s at worst, and every rank meets again at the next cell's rendezvous.
 """
@@ -45,9 +44,9 @@ def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = Fa
     import torch.distributed as dist
 
     for run_dir in run_dirs:
-        dist.barrier()  # every rank is done with the last cell's groups
-        result: dict = {"run_dir": str(run_dir), "process_groups_at_start": _destroy_cell_groups()}
         _freeze_what_survived()
+        dist.barrier()
+        result: dict = {"run_dir": str(run_dir), "process_groups_at_start": _live_process_groups()}
         start = time.monotonic()
         try:
             refusals = _refused_here(run_dir)
@@ -73,23 +72,12 @@ def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = Fa
                 shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
 
-def _destroy_cell_groups() -> int:
-    """Destroy the process groups the last cell made (its device mesh's, the checkpoint writer's,
-    DeepSpeed's): a worker makes them once per process and leaves with them, but one process that
-    trains a whole grid kept every cell's -- about 6 groups, 18 OS threads and 24 sockets a cell, and
-    after a hundred cells each cell ran 2-4x slower than in a fresh process. The default group stays."""
-    import torch.distributed as dist
+def _live_process_groups() -> int:
+    """How many process groups this rank holds (torch's registry): the grid test checks they stay few
+    over a whole grid -- each run reuses the process's device mesh (runtime/mesh.py)."""
     from torch.distributed import distributed_c10d
 
-    destroy = dist.destroy_process_group
-    deepspeed_comm = sys.modules.get("deepspeed.comm")
-    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
-        destroy = deepspeed_comm.destroy_process_group  # torch's, and DeepSpeed forgets the groups it cached
-    default = distributed_c10d._get_default_group()
-    for group in list(distributed_c10d._world.pg_map):  # torch's own registry of live groups
-        if group is not default:
-            destroy(group)
-    return len(distributed_c10d._world.pg_map)  # recorded: the grid test checks it is 1, the default
+    return len(distributed_c10d._world.pg_map)
 
 
 def _freeze_what_survived() -> None:

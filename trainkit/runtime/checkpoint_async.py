@@ -90,12 +90,8 @@ def _writer_group():
     global _GROUP
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return _GROUP
-    from torch.distributed import distributed_c10d
-
-    if _GROUP is None or _GROUP not in distributed_c10d._world.pg_map:  # none yet, or destroyed since
-        _GROUP = dist.new_group(backend="gloo")  # (cell_runner destroys each run's groups)
+    if _GROUP is None and dist.is_available() and dist.is_initialized():
+        _GROUP = dist.new_group(backend="gloo")
     return _GROUP
 
 

@@ -53,9 +53,7 @@ class RunMesh:
 
     @classmethod
     def build(cls, dims: "ParallelDims", device_type: str) -> "RunMesh":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return cls(dims, init_device_mesh(device_type, degrees(dims), mesh_dim_names=DIM_NAMES))
+        return cls(dims, _device_mesh(device_type, degrees(dims)))
 
     @property
     def device_type(self) -> str:
@@ -125,6 +123,28 @@ def seed_tensor_parallel_random(seed: int, mesh: Optional[RunMesh]) -> None:
     from torch.distributed.tensor._random import manual_seed
 
     manual_seed(seed, mesh.view("tp"))
+
+
+_BUILT: dict[tuple[str, tuple[int, ...]], tuple[object, "DeviceMesh"]] = {}
+
+
+def _device_mesh(device_type: str, shape: tuple[int, ...]) -> "DeviceMesh":
+    """The process's DeviceMesh of this shape, made once per process group. A worker builds one; a
+    process that trains run after run (runtime/cell_runner.py: a whole compatibility grid) made a new
+    mesh each time -- 4 dimension groups and the flattened ones, ~18 OS threads and 24 sockets a run,
+    never freed, and each later run slower (2-4x after a hundred). Destroying them instead is not
+    safe: a new mesh compares equal to an earlier one of its shape, and torch's DTensor and FSDP
+    caches then hand out the destroyed groups. The same mesh again is what torch expects."""
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = distributed_c10d._get_default_group()
+    cached = _BUILT.get((device_type, shape))
+    if cached is not None and cached[0] is world:  # a new default group (destroyed and made again): a new mesh
+        return cached[1]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+    _BUILT[(device_type, shape)] = (world, mesh)
+    return mesh
 
 
 def build_mesh(dims: "ParallelDims", device_type: str) -> RunMesh:
