@@ -63,6 +63,7 @@ def run_cells(run_dirs: list[Path], *, resume: bool, keep_checkpoints: bool = Fa
             pass
         except BaseException as exc:  # noqa: BLE001 -- recorded, and the next cell runs
             result["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+            result["traceback"] = traceback.format_exc()[-4000:]  # where it failed, for whoever reads the result
             if isinstance(exc, KeyboardInterrupt):
                 raise
         result["seconds"] = round(time.monotonic() - start, 2)
