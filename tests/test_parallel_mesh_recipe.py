@@ -145,11 +145,20 @@ def test_compile_with_tensor_parallel_is_refused_and_without_it_accepted(tmp_pat
     assert validate(capsys, path) == (0, [])
 
 
-def test_the_pipelines_data_parallel_must_equal_dp_replicate(tmp_path, capsys):
+def test_the_pipelines_data_parallel_is_an_alias_of_dp_replicate(tmp_path, capsys):
+    """Left out, the parallel block's dp_replicate is the pipeline's replicas (plan shows them); given in
+    both places with different values, the recipe says two things and is refused."""
     path = write(tmp_path, "{pp: 2, dp_replicate: 2, dp_shard: 1}", strategy="{name: pipeline}")
+    assert validate(capsys, path) == (0, [])
+    from trainkit.recipe import resolve
+
+    resolved = resolve(path)
+    assert "2 pipeline replicas" in "\n".join(resolved.recipe.strategy.plan_lines(resolved.recipe))
+    path = write(tmp_path, "{pp: 2, dp_replicate: 2, dp_shard: 1}", strategy="{name: pipeline, data_parallel: 1}")
     assert validate(capsys, path) == (2, [
-        f"{path}:7:11: strategy.data_parallel: strategy.data_parallel 1 and parallel.dp_replicate 2 disagree: both "
-        f"count the pipeline replicas; set strategy.data_parallel: 2, or leave the parallel block out"])
+        f"{path}:7:43: strategy.data_parallel: strategy.data_parallel 1 and parallel.dp_replicate 2 both give the "
+        f"pipeline replicas, differently; leave strategy.data_parallel out (parallel.dp_replicate sets it), or set "
+        f"it to 2"])
     path = write(tmp_path, "{pp: 2, dp_replicate: 2, dp_shard: 1}", strategy="{name: pipeline, data_parallel: 2}")
     assert validate(capsys, path) == (0, [])
 

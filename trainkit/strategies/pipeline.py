@@ -87,11 +87,11 @@ class PipelineStrategy(Strategy):
     def data_parallel_rank(self) -> int:
         if self.sharded:
             return super().data_parallel_rank  # the mesh's ("dp_replicate", "dp_shard") coordinate
-        return self.rank % self.options.data_parallel  # the mesh's inner "dp" coordinate
+        return self.rank % self.replicas  # the mesh's inner "dp" coordinate
 
     @property
     def data_parallel_size(self) -> int:
-        return super().data_parallel_size if self.sharded else self.options.data_parallel
+        return super().data_parallel_size if self.sharded else self.replicas
 
     @property
     def pipeline_rank(self) -> int:
@@ -101,11 +101,17 @@ class PipelineStrategy(Strategy):
     @property
     def pipeline_size(self) -> int:
         """Ranks per pipeline."""
-        return self.dims.pp if self.sharded else self.world_size // self.options.data_parallel
+        return self.dims.pp if self.sharded else self.world_size // self.replicas
 
     def _global_rank(self, pipeline_rank: int) -> int:
         """The global rank holding place `pipeline_rank` of this rank's pipeline."""
-        return pipeline_rank * self.options.data_parallel + self.data_parallel_rank
+        return pipeline_rank * self.replicas + self.data_parallel_rank
+
+    @property
+    def replicas(self) -> int:
+        """Pipeline replicas: the run mesh's dp_replicate (`strategy.data_parallel` is its alias in the
+        recipe); the options' own value only where no dims were given (a strategy built alone)."""
+        return self.dims.dp_replicate if self.dims is not None else self.options.data_parallel
 
     def _mesh_groups(self) -> None:
         """The run mesh's groups (runtime.mesh.RunMesh): "pp" for the stages, and, for pipeline replicas
@@ -114,14 +120,10 @@ class PipelineStrategy(Strategy):
         if self.sharded:  # FSDP reduces over the data-parallel ranks (no dp_group)
             self.pp_group = self.run_mesh.group("pp")
             return
-        if self.options.data_parallel == 1:
+        if self.replicas == 1:
             return
-        if self.world_size % self.options.data_parallel:
-            raise SplitError(f"data_parallel {self.options.data_parallel} does not divide the world size {self.world_size}")
-        replicas = self.run_mesh.degree("dp_replicate") if self.run_mesh is not None else 1
-        if replicas != self.options.data_parallel:
-            raise SplitError(f"the run's mesh has dp_replicate {replicas}; the pipeline needs "
-                             f"{self.options.data_parallel} replicas")
+        if self.world_size % self.replicas:
+            raise SplitError(f"{self.replicas} pipeline replicas do not divide the world size {self.world_size}")
         self.pp_group, self.dp_group = self.run_mesh.group("pp"), self.run_mesh.group("dp_replicate")
 
     def _average_gradients_over_pipelines(self) -> None:
@@ -139,7 +141,7 @@ class PipelineStrategy(Strategy):
             return
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.options.data_parallel
+        flat /= self.replicas
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(synced)
 
@@ -280,7 +282,7 @@ class PipelineStrategy(Strategy):
         loss = loss.detach().clone().float()
         if self.dp_group is not None:
             dist.all_reduce(loss, group=self.dp_group)
-            loss /= self.options.data_parallel
+            loss /= self.replicas
         return loss
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -367,7 +369,7 @@ class PipelineStrategy(Strategy):
     def replicas_agree(self, digests: list[str]):
         """Stages are not copies of each other; with data_parallel > 1 the ranks at the same place
         of each pipeline are (same stages, same weights), and their digests must match."""
-        d = self.options.data_parallel
+        d = self.replicas
         if d == 1 or self.sharded:  # sharded stages: every piece has one owner
             return None
         places = [digests[p * d:(p + 1) * d] for p in range(len(digests) // d)]  # global rank = p * d + dp
@@ -450,7 +452,7 @@ class PipelineStrategy(Strategy):
             except SplitError as exc:
                 if "not a module" not in str(exc):
                     yield ("strategy", "split_points"), str(exc), "error"
-        if recipe.world_size is None or recipe.world_size % o.data_parallel:
+        if recipe.world_size is None or recipe.world_size % o.replicas(recipe):
             return  # the rules report a data_parallel that does not divide the world size
         ws = recipe.parallel_dims(recipe.world_size).pp  # ranks per pipeline
         stages = stage_count(o, ws)

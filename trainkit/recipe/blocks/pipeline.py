@@ -82,7 +82,8 @@ class PipelineOptions(StrategyOptions):
     def plan_lines(self, recipe: Any) -> list[str]:
         ws = recipe.world_size
         stages = recipe.parallel_dims(ws).pp if ws is not None else "?"
-        replicas = f", {self.data_parallel} pipeline replicas" if self.data_parallel > 1 else ""
+        count = self.replicas(recipe)
+        replicas = f", {count} pipeline replicas" if count > 1 else ""
         lines = [f"pipeline:        {stages} stages{replicas}, {self.microbatches} microbatches, "
                  f"schedule {self.schedule}"]
         if ws is not None and sharded_stages(recipe.parallel_dims(ws)):
@@ -106,13 +107,14 @@ class PipelineOptions(StrategyOptions):
                 f"global batch {gb} (batch_size x data-parallel size x grad_accum_steps) is not divisible by "
                 f"{s.microbatches} microbatches")
         ws = r.world_size
-        if ws is not None and ws % s.data_parallel:
+        if ws is not None and r.parallel is None and ws % s.data_parallel:  # a parallel block checks its own
             yield ("strategy", "data_parallel"), (
                 f"data_parallel {s.data_parallel} does not divide the world size {ws}: each of the "
                 f"{s.data_parallel} pipeline replicas needs the same number of ranks")
             return
         ranks = None if ws is None else r.parallel_dims(ws).pp  # ranks per pipeline
-        per = f" (world size {ws} / data_parallel {s.data_parallel})" if s.data_parallel > 1 else " (the world size)"
+        count = s.replicas(r)
+        per = f" (world size {ws} / {count} pipeline replicas)" if count > 1 else " (the world size)"
         facts = facts_for(r.model.name)
         if facts.needs_split_points and not s.split_points:
             yield ("strategy", "split_points"), (
@@ -130,19 +132,28 @@ class PipelineOptions(StrategyOptions):
                 f"{ranks} ranks{per}, one stage per rank; use {ranks - 1} split points or change "
                 f"launch.nproc_per_node")
 
+    def replicas(self, recipe: Any) -> int:
+        """The pipeline replicas: `data_parallel` is an alias of the run mesh's dp_replicate, so a
+        `parallel:` block's degree is the count when the recipe has one (the runtime reads the mesh)."""
+        ws = recipe.world_size
+        if recipe.parallel is not None and ws:
+            return recipe.parallel_dims(ws).dp_replicate
+        return self.data_parallel
+
     def _agrees_with_the_mesh(self, r: Any) -> Iterator[Finding]:
-        """A `parallel:` block's dp_replicate and this strategy's data_parallel are the same number (the
-        pipeline replicas): the two must agree, as the component lays its mesh out from data_parallel."""
-        if r.parallel is None:
+        """`data_parallel` and a `parallel:` block's dp_replicate name one number (the pipeline replicas):
+        left out, the block's degree is used; written in both places with different values, the recipe
+        says two things and is refused."""
+        if r.parallel is None or "data_parallel" not in self.model_fields_set:
             return
         replicas = r.parallel.dp_replicate
         if replicas == -1:
             replicas = r.parallel_dims(r.world_size).dp_replicate if r.world_size else None
         if replicas is not None and replicas != self.data_parallel:
             yield ("strategy", "data_parallel"), (
-                f"strategy.data_parallel {self.data_parallel} and parallel.dp_replicate {replicas} disagree: both "
-                f"count the pipeline replicas; set strategy.data_parallel: {replicas}, or leave the parallel "
-                f"block out")
+                f"strategy.data_parallel {self.data_parallel} and parallel.dp_replicate {replicas} both give the "
+                f"pipeline replicas, differently; leave strategy.data_parallel out (parallel.dp_replicate sets it), "
+                f"or set it to {replicas}")
 
 
     def _sharded_stages_rules(self, r: Any) -> Iterator[Finding]:
@@ -169,7 +180,7 @@ class PipelineOptions(StrategyOptions):
         if dims.dp_replicate > 1:
             yield ("parallel", "dp_replicate"), (
                 f"strategy pipeline with {mesh}: replicas of sharded stages (HSDP inside the pipeline) are not "
-                f"verified; set parallel.dp_replicate: 1 (and strategy.data_parallel: 1), or drop dp_shard and tp "
+                f"verified; set parallel.dp_replicate: 1, or drop dp_shard and tp "
                 f"for pipeline replicas")
 
 
