@@ -169,15 +169,17 @@ def test_pipeline_evaluation_matches_the_one_process_evaluation(tmp_path):
 
 
 def test_pipeline_times_data_parallel_on_4_processes_follows_the_one_process_trajectory(single, tmp_path):
-    """2-D: 2 pipelines of 2 stages (data_parallel: 2, 4 processes), batch 8 per pipeline, so the
-    global batch is the one-process 16. Guards, at once: each pipeline reads its own half of the
-    data (the same half twice would not follow batch 16), each stage's gradients are averaged over
-    the two pipelines (DDP over the "dp" group; without it the replicas drift apart and so does the
-    loss), one copy of each stage is written, and evaluation sums over the pipelines, not the ranks."""
+    """2-D: 2 pipelines of 2 stages (4 processes), batch 8 per pipeline, so the global batch is the
+    one-process 16. The replicas are given by the `parallel:` block alone (pp 2 x dp_replicate 2;
+    `strategy.data_parallel` is its alias and left out: the runtime reads the mesh's degree; the grid's
+    pipeline-dp cells run the `data_parallel: 2` spelling). Guards, at once: each pipeline reads its own
+    half of the data (the same half twice would not follow batch 16), each stage's gradients are
+    averaged over the two pipelines (without it the replicas drift apart and so does the loss), one
+    copy of each stage is written, and evaluation sums over the pipelines, not the ranks."""
     evals = {"eval_every": 10, "eval_steps": 2}
     path = write_recipe(tmp_path, "pp2dp2", SEEDED_MLP,
-                        strategy={"name": "pipeline", "schedule": "1f1b", "microbatches": 2, "split_points": ["4"],
-                                  "data_parallel": 2},
+                        strategy={"name": "pipeline", "schedule": "1f1b", "microbatches": 2, "split_points": ["4"]},
+                        parallel={"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1},
                         data={"batch_size": 8}, launch={"nproc_per_node": 4}, trainer=evals)
     run_dir = run(tmp_path, path)
     assert losses(run_dir) == pytest.approx(single, rel=RTOL)

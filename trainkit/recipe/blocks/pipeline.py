@@ -133,12 +133,10 @@ class PipelineOptions(StrategyOptions):
                 f"launch.nproc_per_node")
 
     def replicas(self, recipe: Any) -> int:
-        """The pipeline replicas: `data_parallel` is an alias of the run mesh's dp_replicate, so a
-        `parallel:` block's degree is the count when the recipe has one (the runtime reads the mesh)."""
+        """The pipeline replicas: the layout's dp_replicate (`Recipe.parallel_dims`: a `parallel:` block's
+        degree when the recipe has one, else `data_parallel`, its alias; the runtime reads the same)."""
         ws = recipe.world_size
-        if recipe.parallel is not None and ws:
-            return recipe.parallel_dims(ws).dp_replicate
-        return self.data_parallel
+        return recipe.parallel_dims(ws).dp_replicate if ws else self.data_parallel
 
     def _agrees_with_the_mesh(self, r: Any) -> Iterator[Finding]:
         """`data_parallel` and a `parallel:` block's dp_replicate name one number (the pipeline replicas):
