@@ -150,7 +150,8 @@ def worker(recipe_path: str, steps: int, out: str) -> None:
 
     start_peak = peak()  # the interpreter, torch and the process group: no model yet
     precision = Precision(recipe.precision, device)
-    strategy = registry.component(recipe.strategy)(recipe.strategy, device=device, precision=precision, recipe=recipe)
+    strategy_cls = registry.component(recipe.strategy)
+    strategy = strategy_cls(recipe.strategy, device=device, precision=precision, **strategy_cls.run_inputs(recipe))
     model, init = build_initial_model(recipe.model, strategy, recipe.seed)  # what the training worker does
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: partitioned
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))

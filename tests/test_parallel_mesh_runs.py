@@ -370,7 +370,8 @@ def test_mfu_credits_each_tensor_parallel_rank_with_its_share(tmp_path):
     TP 2 group are half the model's: the two ranks split every layer of one data-parallel group's work."""
     from types import SimpleNamespace
 
-    from trainkit.monitors.base import MonitorContext
+    from trainkit.monitors.base import MonitorContext, RunFacts
+    from trainkit.runtime.components import build_task
     from trainkit.monitors.throughput import ThroughputMonitor
     from trainkit.recipe import resolve
 
@@ -381,7 +382,8 @@ def test_mfu_credits_each_tensor_parallel_rank_with_its_share(tmp_path):
     def flops(ranks_per_batch: int) -> float:
         strategy = SimpleNamespace(splits_model=False, ranks_per_batch=ranks_per_batch, data_parallel_size=1)
         ctx = MonitorContext(rank=0, local_rank=0, world_size=2, node_rank=0, hostname="h", device=torch.device("cpu"),
-                             run_dir=tmp_path, recipe=recipe, strategy=strategy, model=None)
+                             run_dir=tmp_path, run=RunFacts.of(recipe, build_task(recipe, torch.device("meta"))),
+                             strategy=strategy, model=None)
         monitor = ThroughputMonitor(recipe.monitors[0], ctx)
         monitor.on_run_start()
         return ctx.facts["flops_per_microbatch"]

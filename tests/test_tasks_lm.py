@@ -108,11 +108,11 @@ def _counted(model: torch.nn.Module, batch: int, seq_len: int, vocab: int) -> fl
 
 
 def _estimate(tmp: Path, corpus: dict, model: dict, batch: int) -> float:
-    from trainkit import registry
+    from trainkit.runtime.components import build_task
     from trainkit.recipe import resolve
 
     recipe = resolve(write_recipe(tmp, "flops", tiny_lm(corpus), model=model, data={"batch_size": batch})).recipe
-    task = registry.component(recipe.task)(recipe.task, device=torch.device("cpu"), recipe=recipe)
+    task = build_task(recipe, torch.device("cpu"))
     return task.flops_per_microbatch()
 
 

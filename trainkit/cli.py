@@ -64,18 +64,7 @@ def _command(sub, name: str, summary: str, description: str, examples: str) -> a
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="trainkit",
-        description="One YAML recipe -> a correct, fast, observable distributed PyTorch training run.",
-        epilog="examples:\n  trainkit init my-run.yaml\n  trainkit validate recipes/\n"
-               "  trainkit plan recipes/ddp-mlp.yaml trainer.max_steps=20\n  trainkit run recipes/ddp-mlp.yaml\n"
-               "  trainkit COMMAND --help      (each command's options and examples)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_init(sub) -> None:
     p = _command(sub, "init", "write a new recipe from a few questions (or flags, for scripts)",
                  "Ask for the model, the data, GPUs per node, nodes, strategy, precision and tracking server "
                  "(each question has a default: press Enter), then write a commented recipe that validates. "
@@ -102,6 +91,8 @@ trainkit init imagenet.yaml --yes --data /data/imagenet/train --model torchvisio
     p.add_argument("--force", action="store_true", help="overwrite OUT.yaml if it exists")
     p.set_defaults(func=cmd_init)
 
+
+def _add_validate(sub) -> None:
     p = _command(sub, "validate", "check recipes (fast: no torch import; --deep for runtime checks)",
                  "Check recipe files, folders (recursive; base/ and _*.yaml fragments skipped) or globs: schema, "
                  "cross-field rules and plugin names, every problem as file:line:col. Overrides (key=value, "
@@ -122,6 +113,8 @@ trainkit validate --deep recipes/resnet152.yaml       # also data paths, model, 
                         "exists and is a model factory, data paths, devices, DeepSpeed config")
     p.set_defaults(func=cmd_validate)
 
+
+def _add_schema(sub) -> None:
     p = _command(sub, "schema", "print the recipe JSON Schema (for editor autocompletion)",
                  "Print the JSON Schema of recipes, with every installed plugin's options (for editors: see "
                  "docs/validation-in-ci.md), or with --markdown the recipe reference (docs/reference.md).",
@@ -133,6 +126,8 @@ trainkit schema --markdown --all | less""")
     p.add_argument("--all", action="store_true", help="with --markdown: include installed third-party plugins")
     p.set_defaults(func=cmd_schema)
 
+
+def _add_plan(sub) -> None:
     p = _command(sub, "plan", "print the resolved recipe, what it implies, and the launch command",
                  "Resolve and check a recipe (including the checks --deep runs), then print the resolved recipe, "
                  "world size, global batch, steps per epoch, strategy details and what `trainkit run` will "
@@ -145,6 +140,8 @@ trainkit plan recipes/resnet152.yaml ~data.prefetch_factor""")
     _add_overrides(p)
     p.set_defaults(func=cmd_plan)
 
+
+def _add_run(sub) -> None:
     p = _command(sub, "run", "validate, then train under torchrun",
                  "Validate the recipe, run the preflight checks, then train: under torchrun for several processes, "
                  "in this process for one. The run directory is launch.run_dir/NAME; with trainer.resume: auto a "
@@ -161,6 +158,8 @@ trainkit run recipes/ddp-mlp.yaml trainer.max_steps=200 --accept-changes   # res
     _add_overrides(p)
     p.set_defaults(func=cmd_run)
 
+
+def _add_tune(sub) -> None:
     p = _command(sub, "tune", "measure the bottleneck advice as short real runs; write the recipe with only what "
                  "is proven faster",
                  "Measure the recipe as given (the baseline, with the breakdown monitor), build candidate changes "
@@ -192,6 +191,8 @@ trainkit tune recipes/ddp-mlp.yaml launch.nproc_per_node=2 --knobs bucket_cap_mb
     p.add_argument("--force", action="store_true", help="allow -o to overwrite the input recipe")
     p.set_defaults(func=cmd_tune)
 
+
+def _add_doctor(sub) -> None:
     p = _command(sub, "doctor", "can this machine run it? versions, GPUs, ports, /dev/shm, limits, disk, data "
                  "(exit 1 if any check fails)",
                  "Check this machine, and with a recipe whether it can run that recipe here: versions, GPUs, "
@@ -206,6 +207,8 @@ trainkit doctor recipes/ddp-mlp.yaml launch.nproc_per_node=8 --format json""")
     p.add_argument("--format", choices=["text", "json"], default="text", help="text for people, json for CI")
     p.set_defaults(func=cmd_doctor)
 
+
+def _add_k8s(sub) -> None:
     p = _command(sub, "k8s", "write a Kubeflow PyTorchJob or Trainer v2 TrainJob (and the recipe's ConfigMap)",
                  "Write a ConfigMap holding the recipe and either a Kubeflow training-operator v1 PyTorchJob (Master "
                  "+ Workers, restartPolicy OnFailure; --api pytorchjob, the default) or a Kubeflow Trainer v2 "
@@ -240,6 +243,8 @@ trainkit k8s recipes/resnet152.yaml --api trainjob --runtime torch-distributed -
     p.add_argument("--apply", action="store_true", help="kubectl apply it (needs kubectl on PATH)")
     p.set_defaults(func=cmd_k8s)
 
+
+def _add_slurm(sub) -> None:
     p = _command(sub, "slurm", "write an sbatch script that runs a recipe on a SLURM allocation",
                  "Write an sbatch script: one srun task per node runs `trainkit run`, which starts the local "
                  "workers; the rendezvous is the allocation's first node; --requeue plus resume: auto continue "
@@ -256,6 +261,8 @@ sbatch train.sbatch""")
     p.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
     p.set_defaults(func=cmd_slurm)
 
+
+def _add_export(sub) -> None:
     p = _command(sub, "export", "write a checkpoint's model as one consolidated state_dict file (any strategy)",
                  "Consolidate a checkpoint written by any strategy (DDP, FSDP, DeepSpeed, pipeline) into one "
                  "state_dict file that torch.load and model.load_state_dict read; with --hf, a Hugging Face "
@@ -270,6 +277,8 @@ trainkit export runs/llama-lora/checkpoints/step-00001000 llama-tuned --hf""")
                         "directory's tokenizer files), LoRA adapters merged into the weights")
     p.set_defaults(func=cmd_export)
 
+
+def _add_runs(sub) -> None:
     p = _command(sub, "runs", "list recent runs in the MLflow store",
                  "List recent runs of the MLflow tracking store: id, name, status, start, key metrics.",
                  """
@@ -282,6 +291,8 @@ trainkit runs --uri http://mlflow:5000""")
     p.add_argument("--all", action="store_true", help="also list attempts superseded by a later run of the job")
     p.set_defaults(func=cmd_runs)
 
+
+def _add_compare(sub) -> None:
     p = _command(sub, "compare", "side-by-side table of runs: differing params, final/best metrics",
                  "Compare runs side by side: the parameters that differ and each metric's final and best value.",
                  """
@@ -291,6 +302,8 @@ trainkit compare resnet152-ddp resnet152-fsdp --uri http://mlflow:5000""")
     p.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else the project's mlflow.db: docs/tracking.md)")
     p.set_defaults(func=cmd_compare)
 
+
+def _add_ui(sub) -> None:
     p = _command(sub, "ui", "start the MLflow UI on the tracking store (loopback by default)",
                  "Start the MLflow UI on the tracking store. It binds 127.0.0.1 unless told otherwise: the MLflow "
                  "UI has no authentication.",
@@ -304,6 +317,8 @@ ssh -L 5000:127.0.0.1:5000 gpu-node   # then, on gpu-node: trainkit ui""")
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(func=cmd_ui)
 
+
+def _add_sync(sub) -> None:
     p = _command(sub, "sync", "deliver a run's spooled tracking records (after a server outage)",
                  "Deliver the tracking records a run spooled while its MLflow server was unreachable; a run whose "
                  "launch died without closing it is closed too (FINISHED if it completed, else KILLED). A spool "
@@ -315,6 +330,8 @@ trainkit sync runs/ddp-mlp.tune-20261122-101500/parent runs/ddp-mlp.tune-2026112
     p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+")
     p.set_defaults(func=cmd_sync)
 
+
+def _add_report(sub) -> None:
     p = _command(sub, "report", "the bottleneck report of a past run (from RUN_DIR/reports/breakdown.json)",
                  "Print the bottleneck report of a finished run (needs the breakdown monitor): where step time "
                  "went and what to change.",
@@ -324,6 +341,8 @@ trainkit report resnet152-ddp        # a run's name: its folder under runs/ (lau
     p.add_argument("run_dir", metavar="RUN_DIR|NAME", type=_run_dir)
     p.set_defaults(func=cmd_report)
 
+
+def _add_top(sub) -> None:
     p = _command(sub, "top", "live view of a training run: per-rank step phases, CPU/GPU, memory",
                  "Show a run while it trains, refreshed from its files (metrics.jsonl, live/breakdown.json): step, "
                  "loss, samples/s, every rank's step time, data wait and phases (`breakdown` monitor), CPU and "
@@ -338,6 +357,8 @@ trainkit top resnet152-ddp                    # a run's name: its folder under r
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(func=cmd_top)
 
+
+def _add_plugins(sub) -> None:
     p = _command(sub, "plugins", "list installed plugins, or scaffold a new one (plugins new KIND NAME)",
                  "Without arguments: every installed model, dataset, strategy and monitor plugin with the package "
                  "it comes from, its entry point and its options (warning about options modules that import torch "
@@ -352,6 +373,8 @@ trainkit plugins new monitor step_alarm --dir ~/src   # then: .venv/bin/pip inst
     p.add_argument("--dir", default=".", help="where `new` writes the package (default: here)")
     p.set_defaults(func=cmd_plugins)
 
+
+def _add_completion(sub) -> None:
     p = _command(sub, "completion", "print a shell completion script (bash, zsh or fish)",
                  "Print a completion script for commands, options, recipe paths, and override keys and values "
                  "from the schema (including installed plugins).",
@@ -362,6 +385,8 @@ trainkit completion fish > ~/.config/fish/completions/trainkit.fish""")
     p.add_argument("shell", choices=["bash", "zsh", "fish"])
     p.set_defaults(func=cmd_completion)
 
+
+def _add_bench(sub) -> None:
     p = _command(sub, "bench", "benchmarks: scaling over world sizes",
                  "Benchmarks. scaling runs a recipe (or a hand-written torchrun script) at each world size with the "
                  "batch per process fixed (weak scaling) and writes a table and a speedup plot.",
@@ -392,6 +417,8 @@ trainkit bench scaling --script bench/plain_ddp.py --nproc 1,2 --batch 32""")
     b.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     b.set_defaults(func=cmd_bench_scaling)
 
+
+def _add_data(sub) -> None:
     p = _command(sub, "data", "data helpers",
                  "Data helpers. make-imagefolder writes a small synthetic ImageFolder of real image files, to try a "
                  "recipe before the real data is there.",
@@ -422,6 +449,40 @@ trainkit data make-imagefolder /tmp/imagenet/train --classes 10 --per-class 50""
     m.add_argument("--text-field", default="text", help="the JSONL field holding the text")
     m.add_argument("--min-frequency", type=_positive, default=2)
     m.set_defaults(func=cmd_train_tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `trainkit` parser: each command's options, description and examples live in its `_add_<command>`."""
+    parser = argparse.ArgumentParser(
+        prog="trainkit",
+        description="One YAML recipe -> a correct, fast, observable distributed PyTorch training run.",
+        epilog="examples:\n  trainkit init my-run.yaml\n  trainkit validate recipes/\n"
+               "  trainkit plan recipes/ddp-mlp.yaml trainer.max_steps=20\n  trainkit run recipes/ddp-mlp.yaml\n"
+               "  trainkit COMMAND --help      (each command's options and examples)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_init(sub)
+    _add_validate(sub)
+    _add_schema(sub)
+    _add_plan(sub)
+    _add_run(sub)
+    _add_tune(sub)
+    _add_doctor(sub)
+    _add_k8s(sub)
+    _add_slurm(sub)
+    _add_export(sub)
+    _add_runs(sub)
+    _add_compare(sub)
+    _add_ui(sub)
+    _add_sync(sub)
+    _add_report(sub)
+    _add_top(sub)
+    _add_plugins(sub)
+    _add_completion(sub)
+    _add_bench(sub)
+    _add_data(sub)
     return parser
 
 

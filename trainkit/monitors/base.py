@@ -19,7 +19,30 @@ import torch.distributed as dist
 from .. import registry
 from ..runtime.timing import StepTimes
 
-__all__ = ["Monitor", "MonitorContext", "MonitorSet", "StepTimes", "build_monitors", "context"]
+__all__ = ["Monitor", "MonitorContext", "MonitorSet", "RunFacts", "StepTimes", "build_monitors", "context"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """The few facts of the run that monitors read, instead of the whole recipe."""
+
+    precision: str  # fp32 | bf16 | fp16
+    tf32: bool  # performance.tf32: fp32 matmuls on tensor cores (the peak MFU is measured against)
+    micro_batch: int  # data.batch_size: samples per rank per micro-step
+    grad_accum_steps: int
+    model_spec: Any  # the model block: built on the meta device to count a pipeline stage's FLOPs
+    data: Any  # the data block: its input shape
+    task: Any  # the run's task (runtime.protocols.Task): its FLOPs estimate
+
+    def global_batch_at(self, data_parallel_size: int) -> int:
+        """Samples per optimizer step (the recipe's one formula, `Recipe.global_batch_at`)."""
+        return self.micro_batch * data_parallel_size * self.grad_accum_steps
+
+    @classmethod
+    def of(cls, recipe, task) -> "RunFacts":
+        return cls(precision=recipe.precision, tf32=recipe.performance.tf32, micro_batch=recipe.data.batch_size,
+                   grad_accum_steps=recipe.trainer.grad_accum_steps, model_spec=recipe.model, data=recipe.data,
+                   task=task)
 
 
 @dataclass
@@ -31,7 +54,7 @@ class MonitorContext:
     hostname: str
     device: torch.device
     run_dir: Path
-    recipe: Any
+    run: RunFacts
     strategy: Any
     model: torch.nn.Module
     facts: dict = field(default_factory=dict)  # measured once, shared: e.g. flops_per_step
@@ -130,13 +153,14 @@ class MonitorSet:
         return sections
 
 
-def build_monitors(recipe, ctx: MonitorContext) -> MonitorSet:
-    return MonitorSet([registry.component(options)(options, ctx) for options in recipe.monitors], ctx)
+def build_monitors(monitors: list, ctx: MonitorContext) -> MonitorSet:
+    """The recipe's `monitors:` options, each built with the shared context."""
+    return MonitorSet([registry.component(options)(options, ctx) for options in monitors], ctx)
 
 
-def context(recipe, strategy, model, device, run_dir: Path) -> MonitorContext:
+def context(run: RunFacts, strategy, model, device, run_dir: Path) -> MonitorContext:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     return MonitorContext(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world,
                           node_rank=int(os.environ.get("GROUP_RANK", "0")), hostname=socket.gethostname(),
-                          device=device, run_dir=run_dir, recipe=recipe, strategy=strategy, model=model)
+                          device=device, run_dir=run_dir, run=run, strategy=strategy, model=model)

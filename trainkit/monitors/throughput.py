@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from .. import registry
 from ..runtime.model import build_model
 from .base import Monitor
 
@@ -66,29 +65,28 @@ def peak_flops(device: torch.device, precision: str, tf32: bool = False) -> Opti
     return None if peak is None else peak * 1e12
 
 
-def _image_input(recipe) -> Optional[torch.Tensor]:
-    shape = getattr(recipe.data, "shape", None)
-    if shape is None and hasattr(recipe.data, "image_size"):
-        shape = [3, recipe.data.image_size, recipe.data.image_size]
-    return None if shape is None else torch.empty(recipe.data.batch_size, *shape)
+def _image_input(data) -> Optional[torch.Tensor]:
+    shape = getattr(data, "shape", None)
+    if shape is None and hasattr(data, "image_size"):
+        shape = [3, data.image_size, data.image_size]
+    return None if shape is None else torch.empty(data.batch_size, *shape)
 
 
-def count_step_flops(recipe, strategy=None) -> Optional[float]:
-    """FLOPs of one forward+backward of one micro-batch on this rank. A strategy that splits the model
-    across ranks (pipeline) credits each rank with its own part (`Strategy.flops_of_rank`); otherwise
-    the recipe's task estimates the whole model's (classification: FlopCounterMode on the meta
-    device; causal_lm: 6·N + attention per token)."""
+def count_step_flops(run, strategy=None) -> Optional[float]:
+    """FLOPs of one forward+backward of one micro-batch on this rank (`run`: monitors.base.RunFacts). A
+    strategy that splits the model across ranks (pipeline) credits each rank with its own part
+    (`Strategy.flops_of_rank`); otherwise the run's task estimates the whole model's (classification:
+    FlopCounterMode on the meta device; causal_lm: 6·N + attention per token)."""
     try:
         if strategy is not None and strategy.splits_model:
             with torch.device("meta"):
-                x = _image_input(recipe)
+                x = _image_input(run.data)
                 if x is not None:
-                    model = build_model(recipe.model.model_copy(update={"weights": None}))
+                    model = build_model(run.model_spec.model_copy(update={"weights": None}))
                     of_rank = strategy.flops_of_rank(model, x)
                     if of_rank is not None:
                         return float(of_rank)
-        task = registry.component(recipe.task)(recipe.task, device=torch.device("meta"), recipe=recipe)
-        return task.flops_per_microbatch()
+        return run.task.flops_per_microbatch()
     except Exception:  # exotic models: report throughput without MFU rather than fail the run
         return None
 
@@ -98,13 +96,12 @@ class ThroughputMonitor(Monitor):
         super().__init__(options, ctx)
         self.times: list[float] = []
         self.flops: Optional[float] = None
-        perf = getattr(ctx.recipe, "performance", None)
-        self.peak = peak_flops(ctx.device, ctx.recipe.precision, tf32=bool(perf and perf.tf32))
+        self.peak = peak_flops(ctx.device, ctx.run.precision, tf32=ctx.run.tf32)
         self.per_rank_flops = ctx.strategy.splits_model  # ranks do different work
 
     def on_run_start(self) -> None:
         if self.ctx.rank == 0 or self.per_rank_flops:
-            self.flops = count_step_flops(self.ctx.recipe, self.ctx.strategy)
+            self.flops = count_step_flops(self.ctx.run, self.ctx.strategy)
             if self.flops and not self.per_rank_flops:
                 # the ranks of one data-parallel group (tensor parallel) split its model's work: each
                 # rank's share, so MFU is per rank as on a plain data-parallel run
@@ -123,7 +120,7 @@ class ThroughputMonitor(Monitor):
         times = per_rank[0]["times"]
         if not times:
             return {}
-        r = self.ctx.recipe
+        r = self.ctx.run
         dp = self.ctx.strategy.data_parallel_size
         p50 = statistics.median(times)
         p95 = sorted(times)[min(len(times) - 1, int(0.95 * len(times)))]
@@ -131,7 +128,7 @@ class ThroughputMonitor(Monitor):
                "throughput/step_time_p50_s": p50, "throughput/step_time_p95_s": p95}
         flops = [p.get("flops") for p in per_rank] if self.per_rank_flops else [self.flops]
         if all(flops):
-            achieved = sum(flops) / len(flops) * r.trainer.grad_accum_steps / p50  # mean per rank
+            achieved = sum(flops) / len(flops) * r.grad_accum_steps / p50  # mean per rank
             out["throughput/tflops_per_rank"] = achieved / 1e12
             if self.peak:
                 out["throughput/mfu"] = achieved / self.peak

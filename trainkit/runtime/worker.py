@@ -30,14 +30,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..console import survive_closed_output
-from .. import registry
-from ..monitors.base import build_monitors, context
+from ..monitors.base import RunFacts, build_monitors, context
 from ..recipe import resolve
 from ..recipe.schema import Recipe
 from ..run_dir import ADAPTER, CHECKPOINTS, METRICS, RECIPE
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
 from . import accepted_changes, error_file, fatal, memory_watch, progress_record, resume
+from .components import build_strategy, build_task
 from .checkpoint import Checkpointer, DiskFullError, saved_recipe
 from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
@@ -114,12 +114,10 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     seed = recipe.seed
     seed_everything(seed)  # same initial weights on every rank (and in a 1-process run)
     set_backend_flags(recipe.performance)  # tf32 (MFU's peak), cudnn.benchmark
-    strategy_cls = registry.component(recipe.strategy)
     precision = Precision(recipe.precision, device, recipe.trainer.loss_scale,
                           scaler=not recipe.strategy.capabilities().owns_loss_scaling)  # DeepSpeed scales the loss itself
     dims = recipe.parallel_dims(dist.get_world_size())
-    strategy = strategy_cls(recipe.strategy, device=device, precision=precision, recipe=recipe, dims=dims,
-                            mesh=build_mesh(dims, device.type))
+    strategy = build_strategy(recipe, device=device, precision=precision, dims=dims, mesh=build_mesh(dims, device.type))
     phases = StartupPhases(rank == 0, _process_start())
     phases.say(f"workers up: {dist.get_world_size()} rank(s) in the process group")
     model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
@@ -142,22 +140,13 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     seed_everything(seed + rank // dims.tp)
     # and no broadcast of rank 0's GPU generator by DTensor's RNG tracker (tensor parallel on GPUs)
     seed_tensor_parallel_random(seed + rank // dims.tp, getattr(strategy, "run_mesh", None))
-    task = registry.component(recipe.task)(recipe.task, device=device, recipe=recipe)
+    task = build_task(recipe, device)
 
-    train_set, eval_set = build_datasets(recipe.data, seed)
-    pin = recipe.data.pin_memory and device.type == "cuda"
-    dp_rank, dp_size = strategy.data_parallel_rank, strategy.data_parallel_size  # pipeline: every stage, one batch
-    train_loader = make_loader(train_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=True,
-                               pin_memory=pin)
-    eval_loader = None
-    if eval_set is not None and recipe.trainer.eval_every:
-        eval_loader = make_loader(eval_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=seed, train=False,
-                                  pin_memory=pin, eval_steps=recipe.trainer.eval_steps)
-
-    phases.say(f"data ready: {len(train_set):,} training samples")
+    train_loader, eval_loader = _data_loaders(recipe, strategy, device)
+    phases.say(f"data ready: {len(train_loader.dataset):,} training samples")
     ckpt_dir = run_dir / CHECKPOINTS
     checkpointer = Checkpointer(ckpt_dir, strategy, recipe.trainer.checkpoint.keep, recipe_data)
-    monitors = build_monitors(recipe, context(recipe, strategy, model, device, run_dir))
+    monitors = build_monitors(recipe.monitors, context(RunFacts.of(recipe, task), strategy, model, device, run_dir))
     clock = Clock(device, precise=any(type(m).precise_timing for m in recipe.monitors))
     forward_marks = ForwardMarks(model, clock) if any(type(m).needs_forward_time for m in recipe.monitors) else None
 
@@ -174,15 +163,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
             print(f"trainkit: resumed from {source} (step {state.step}, epoch {state.epoch})", flush=True)
         scheduler = accepted_changes.apply_to_optimizer(saved_recipe(source), recipe_data, recipe, optimizer,
                                                         scheduler, state.step)
-    progress, sinks = None, []
-    if rank == 0:
-        progress = Progress(recipe.trainer.max_steps, state.step, global_batch(recipe, dp_size), enabled=True)
-        sinks = [JsonlSink(run_dir / METRICS)]
-        if recipe.tracking.enabled:
-            sinks.append(MlflowSink(run_dir))
-        for sink in sinks:
-            sink.rewind(state.step)  # one value per step: a restart's redone steps replace the dead attempt's
-        sinks.append(progress)
+    progress, sinks = _rank0_sinks(run_dir, recipe, state.step, strategy.data_parallel_size) if rank == 0 else (None, [])
     loop = Loop(recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler, strategy=strategy,
                 precision=precision, task=task, train_loader=train_loader,
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
@@ -190,20 +171,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                 last_checkpoint=source, process_start=_process_start())
     phases.say("first step" + (" (compiling: the first steps take longer)" if recipe.performance.compile_options
                                else ""))
-    try:
-        summary = loop.run()
-    except (NonFiniteError, DiskFullError) as exc:
-        fatal.record(run_dir, exc)
-        monitors.call("on_exception", exc)
-        raise
-    except BaseException as exc:
-        if isinstance(exc, StopRequested):  # torchrun's grace before SIGKILL is 30 s
-            progress_record.stopping()  # the bounded wait below is not a hang
-            checkpointer.finish_on_stop(STOP_SAVE_WAIT_S)
-        monitors.call("on_exception", exc)
-        raise
-    finally:
-        _close_sinks([sink for sink in sinks if sink is not progress], failing=sys.exc_info()[0] is not None)
+    summary = _run_loop(loop, run_dir, monitors, checkpointer, [sink for sink in sinks if sink is not progress])
     memory_watch.phase("end of run")  # the replica check, summary and reports
     adapter = save_adapter(strategy.unwrap(model), run_dir / ADAPTER, rank)
     if adapter is not None:
@@ -217,6 +185,53 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     summary["replica_digests"] = digests
     strategy.teardown()
     return summary
+
+
+def _data_loaders(recipe: Recipe, strategy, device: torch.device):
+    """The training loader and (when the trainer evaluates) the evaluation loader of this rank's shard:
+    ranks that read one batch (a pipeline's stages, a tensor-parallel group) share a shard."""
+    train_set, eval_set = build_datasets(recipe.data, recipe.seed)
+    pin = recipe.data.pin_memory and device.type == "cuda"
+    dp_rank, dp_size = strategy.data_parallel_rank, strategy.data_parallel_size
+    train_loader = make_loader(train_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=recipe.seed, train=True,
+                               pin_memory=pin)
+    eval_loader = None
+    if eval_set is not None and recipe.trainer.eval_every:
+        eval_loader = make_loader(eval_set, recipe.data, rank=dp_rank, world_size=dp_size, seed=recipe.seed,
+                                  train=False, pin_memory=pin, eval_steps=recipe.trainer.eval_steps)
+    return train_loader, eval_loader
+
+
+def _rank0_sinks(run_dir: Path, recipe: Recipe, step: int, dp_size: int):
+    """Rank 0's progress bar and metric sinks (metrics.jsonl, the MLflow spool when tracking is on), each
+    rewound to `step`: one value per step, so a restart's redone steps replace the dead attempt's."""
+    progress = Progress(recipe.trainer.max_steps, step, global_batch(recipe, dp_size), enabled=True)
+    sinks = [JsonlSink(run_dir / METRICS)]
+    if recipe.tracking.enabled:
+        sinks.append(MlflowSink(run_dir))
+    for sink in sinks:
+        sink.rewind(step)
+    return progress, [*sinks, progress]
+
+
+def _run_loop(loop: Loop, run_dir: Path, monitors, checkpointer: Checkpointer, sinks: list) -> dict:
+    """Run the loop; a failure is recorded for the launcher (a deterministic one as a fatal marker, so
+    restarts do not repeat it), told to the monitors, and a stop request finishes a background save
+    within torchrun's grace period. The sinks are closed either way."""
+    try:
+        return loop.run()
+    except (NonFiniteError, DiskFullError) as exc:
+        fatal.record(run_dir, exc)
+        monitors.call("on_exception", exc)
+        raise
+    except BaseException as exc:
+        if isinstance(exc, StopRequested):  # torchrun's grace before SIGKILL is 30 s
+            progress_record.stopping()  # the bounded wait below is not a hang
+            checkpointer.finish_on_stop(STOP_SAVE_WAIT_S)
+        monitors.call("on_exception", exc)
+        raise
+    finally:
+        _close_sinks(sinks, failing=sys.exc_info()[0] is not None)
 
 
 def _close_sinks(sinks: list, failing: bool) -> None:

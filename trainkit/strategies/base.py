@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..recipe.blocks import PerformanceOptions
 from ..runtime.materialize import materialize, parameters_on_meta
 
 
@@ -56,8 +57,8 @@ class Strategy:
         options: the recipe's strategy block.
         device: this process's device.
         precision: the run's `runtime.precision.Precision` (autocast, loss scaling).
-        recipe: the whole resolved recipe, for strategies that need batch sizes, accumulation or
-            clipping at construction (DeepSpeed builds its config from them).
+        performance: the recipe's `performance:` block (compile, activation checkpointing), applied by
+            each strategy where its wrapping allows (runtime.performance); None: the defaults.
         dims: the run's `ParallelDims` (`recipe.parallel_dims(world_size)`); None: plain data
             parallel over the world.
         mesh: the run's `runtime.mesh.RunMesh` over ("pp", "dp_replicate", "dp_shard", "tp"), built from `dims`
@@ -67,10 +68,18 @@ class Strategy:
 
     comm_timer = None  # a runtime.timing.CommTimer, set before setup() when a monitor measures communication
 
-    def __init__(self, options, *, device: torch.device, precision=None, recipe=None, dims=None, mesh=None):
-        self.options, self.device, self.precision, self.recipe = options, device, precision, recipe
+    def __init__(self, options, *, device: torch.device, precision=None, performance=None, dims=None, mesh=None):
+        self.options, self.device, self.precision = options, device, precision
+        self.performance = performance if performance is not None else PerformanceOptions()
         self.dims, self.run_mesh = dims, mesh
         self.device_mesh = mesh.device_mesh if mesh is not None else None  # the DeviceMesh itself (monitors)
+
+    @classmethod
+    def run_inputs(cls, recipe) -> dict:
+        """The constructor keywords this strategy takes from the resolved recipe beyond its own options
+        block: the one place a strategy reads the recipe, so that its constructor's signature shows what
+        it depends on (the worker passes options, device, precision, dims and mesh itself)."""
+        return {"performance": recipe.performance}
 
     # ---- what the strategy declares (its options class: recipe.blocks.strategy.Capabilities)
     @property
@@ -86,14 +95,6 @@ class Strategy:
     def splits_model(self) -> bool:
         """Ranks hold different parts of the model (pipeline stages): MFU credits each rank's own FLOPs."""
         return self.capabilities.splits_model
-
-    @property
-    def performance(self):
-        """The recipe's `performance:` block (defaults without a recipe): compile and activation
-        checkpointing are applied by each strategy where its wrapping allows (runtime.performance)."""
-        from ..recipe.blocks import PerformanceOptions
-
-        return self.recipe.performance if self.recipe is not None else PerformanceOptions()
 
     # ---- the shape of the job
     @property

@@ -105,7 +105,7 @@ def ds_config_for(recipe) -> dict:
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # trainkit's torch optimizer
         # offload: DeepSpeed's CPU Adam, or (its reason printed) the torch optimizer DeepSpeed would refuse
-        "zero_force_ds_cpu_optimizer": s.runs_cpu_adam(recipe),
+        "zero_force_ds_cpu_optimizer": s.runs_cpu_adam(recipe.optimizer),
         "steps_per_print": 2**31 - 1,
     }
     if recipe.precision == "bf16":
@@ -139,6 +139,17 @@ def torch_cuda_available() -> bool:
 class DeepSpeedStrategy(Strategy):
     options: DeepSpeedOptions
 
+    def __init__(self, options, *, config: dict, optimizer_options, **common):
+        """`config`: the DeepSpeed config the recipe implies (`ds_config_for`: batch, accumulation,
+        clipping, precision, ZeRO buffers); `optimizer_options`: the recipe's optimizer block, which an
+        offloaded optimizer step runs as DeepSpeed's CPU Adam when it can."""
+        super().__init__(options, **common)
+        self.config, self.optimizer_options = config, optimizer_options
+
+    @classmethod
+    def run_inputs(cls, recipe) -> dict:
+        return {**super().run_inputs(recipe), "config": ds_config_for(recipe), "optimizer_options": recipe.optimizer}
+
     def empty_init(self):
         """ZeRO-3: DeepSpeed's own `zero.Init` partitions each module's parameters as soon as the
         module is built, so no rank ever holds the whole model."""
@@ -152,7 +163,7 @@ class DeepSpeedStrategy(Strategy):
 
         deepspeed = import_deepspeed()
         announce_build()  # zero.Init starts DeepSpeed's comm: its CPU op may be compiled first
-        return deepspeed.zero.Init(config_dict_or_path=ds_config_for(self.recipe))
+        return deepspeed.zero.Init(config_dict_or_path=copy.deepcopy(self.config))  # the engine gets it unread
 
     def materialize(self, model: nn.Module, seed: int) -> nn.Module:
         """ZeRO-3: one module at a time, gather its partitioned parameters, set their seeded values
@@ -171,7 +182,6 @@ class DeepSpeedStrategy(Strategy):
 
     def setup(self, model: nn.Module, optimizer_factory):
         deepspeed = import_deepspeed()
-        self.config = ds_config_for(self.recipe)
         apply_activation_checkpointing(model, self.performance.checkpointing)  # hooks: ZeRO-3 gathers on recompute
         optimizer = self._optimizer(model, optimizer_factory)
         announce_build()  # the engine starts DeepSpeed's comm: its CPU op may be compiled first
@@ -183,7 +193,7 @@ class DeepSpeedStrategy(Strategy):
         self.engine = engine
         share_fp32_partitions(engine.optimizer)  # fp32 ZeRO-3: no second copy of the parameter partition
         load_mapped(engine)  # a resume without a second copy of the optimizer state
-        self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.recipe.precision)
+        self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision.name)
         match_batchnorm_buffers(engine.module, self.input_dtype)
         # The scheduler steps the torch optimizer's param_groups, which the ZeRO optimizer shares.
         return engine, optimizer
@@ -191,14 +201,14 @@ class DeepSpeedStrategy(Strategy):
     def _optimizer(self, model: nn.Module, optimizer_factory) -> torch.optim.Optimizer:
         """Optimizer offload steps in DeepSpeed's CPU Adam (its warning: a torch optimizer there 'in most
         cases will yield poor performance'); what it cannot run stays a torch optimizer, with the reason."""
-        if self.options.runs_cpu_adam(self.recipe):
+        optimizer = self.optimizer_options
+        if self.options.runs_cpu_adam(optimizer):
             if self.rank == 0:
-                print(f"trainkit: optimizer offload steps in DeepSpeed's CPU Adam ({self.recipe.optimizer.name})",
-                      flush=True)
-            return cpu_adam(self.recipe.optimizer, model.parameters())
-        reason = self.options.torch_optimizer_reason(self.recipe)
+                print(f"trainkit: optimizer offload steps in DeepSpeed's CPU Adam ({optimizer.name})", flush=True)
+            return cpu_adam(optimizer, model.parameters())
+        reason = self.options.torch_optimizer_reason(optimizer)
         if reason and self.rank == 0:
-            print(f"trainkit: note: optimizer offload steps in torch's {self.recipe.optimizer.name}, not "
+            print(f"trainkit: note: optimizer offload steps in torch's {optimizer.name}, not "
                   f"DeepSpeed's CPU Adam: {reason}", flush=True)
         return optimizer_factory(model.parameters())
 
@@ -302,7 +312,7 @@ class DeepSpeedStrategy(Strategy):
             elif shutil.which(os.environ.get("CXX", "c++")) is None:
                 yield ("strategy", "name"), "DeepSpeed on CPU JIT-compiles its shared-memory comm op and needs " \
                     "a C++ compiler (c++), which is missing here", "error"
-        if s.runs_cpu_adam(recipe) and shutil.which(os.environ.get("CXX", "c++")) is None \
+        if s.runs_cpu_adam(recipe.optimizer) and shutil.which(os.environ.get("CXX", "c++")) is None \
                 and pending_build(CPU_ADAM_OP) is not None:
             yield ("strategy", "offload_optimizer"), "optimizer offload steps in DeepSpeed's CPU Adam, which is " \
                 "compiled on first use and needs a C++ compiler (c++), missing here; install one (g++)", "error"

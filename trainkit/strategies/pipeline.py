@@ -78,6 +78,16 @@ class PipelineStrategy(Strategy):
     pp_group = dp_group = None  # None: the world (one pipeline); set by setup() for data_parallel > 1
     _evaluating = False  # eval_forward's schedule.eval: the loss of its placeholder target is not computed
 
+    def __init__(self, options, *, data, **common):
+        """`data`: the recipe's data block: the micro-batch shape the tracer runs the model on and that
+        evaluation pads a short last batch to."""
+        super().__init__(options, **common)
+        self.data = data
+
+    @classmethod
+    def run_inputs(cls, recipe) -> dict:
+        return {**super().run_inputs(recipe), "data": recipe.data}
+
     @property
     def sharded(self) -> bool:
         """Stages split by tensor parallel and/or sharded by FSDP on the run's mesh (3-D)."""
@@ -168,7 +178,7 @@ class PipelineStrategy(Strategy):
         else:
             from torch.distributed.pipelining import SplitPoint, pipeline
 
-            pipe = pipeline(model, mb_args=(example_inputs(self.recipe, self.options.microbatches),),
+            pipe = pipeline(model, mb_args=(example_inputs(self.data, self.options.microbatches),),
                             split_spec={p: SplitPoint.BEGINNING for p in self.options.split_points})
             self.num_stages = pipe.num_stages
             self.stage_ids = stages_of_rank(self.pipeline_rank, self.num_stages, self.pipeline_size)
@@ -309,7 +319,7 @@ class PipelineStrategy(Strategy):
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         # the schedule's loss_fn runs on the last stage whenever it is set: a placeholder target
         # (the loss is discarded; the loop computes the evaluation sums from the logits)
-        n, full = x.shape[0], self.recipe.data.batch_size
+        n, full = x.shape[0], self.data.batch_size
         if n < full:  # a short last batch: the stages exchange micro-batches of the training shape, so pad
             x = torch.cat([x, x.new_zeros((full - n,) + tuple(x.shape[1:]))])
         kwargs = {"target": torch.zeros(x.shape[0], dtype=torch.long, device=self.device)} if last else {}

@@ -237,9 +237,8 @@ def _as_traced(value):
     return value
 
 
-def example_inputs(recipe, microbatches: int) -> torch.Tensor:
-    """A zero micro-batch of the recipe's input shape: what the tracer runs the model on."""
-    d = recipe.data
+def example_inputs(d, microbatches: int) -> torch.Tensor:
+    """A zero micro-batch of the data block's input shape: what the tracer runs the model on."""
     shape = d.sample_shape()
     if shape is None:
         raise SplitError(f"the pipeline tracer needs the input shape of data '{d.name}'")

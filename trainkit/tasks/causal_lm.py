@@ -59,11 +59,18 @@ def attention_dims(model: nn.Module) -> tuple[int, int]:
 class CausalLMTask:
     num_eval_sums = 3
 
-    def __init__(self, options: Any, *, device: torch.device, recipe: Any):
-        self.options, self.device, self.recipe = options, device, recipe
+    def __init__(self, options: Any, *, device: torch.device, model_spec: Any, data: Any):
+        """`model_spec` and `data`: the recipe's model and data blocks (sequence length, micro-batch and
+        the model the FLOPs estimate counts)."""
+        self.options, self.device, self.model_spec, self.data = options, device, model_spec, data
         self.ignore_index = options.ignore_index
         self.loss_fn = NextTokenLoss(options.ignore_index)
-        self.seq_len = getattr(recipe.data, "seq_len", None)
+        self.seq_len = getattr(data, "seq_len", None)
+
+    @classmethod
+    def run_inputs(cls, recipe) -> dict:
+        """The constructor keywords taken from the resolved recipe beyond the task's own block."""
+        return {"model_spec": recipe.model, "data": recipe.data}
 
     def to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[0], batch[1]
@@ -94,5 +101,5 @@ class CausalLMTask:
         if not self.seq_len:
             return None
         with torch.device("meta"):
-            model = build_model(self.recipe.model.model_copy(update={"weights": None}))
-        return lm_flops_per_token(model, self.seq_len) * self.seq_len * self.recipe.data.batch_size
+            model = build_model(self.model_spec.model_copy(update={"weights": None}))
+        return lm_flops_per_token(model, self.seq_len) * self.seq_len * self.data.batch_size

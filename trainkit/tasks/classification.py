@@ -18,11 +18,19 @@ class ClassificationTask:
 
     num_eval_sums = 3
 
-    def __init__(self, options: Any = None, *, device: torch.device, recipe: Any = None):
-        self.options, self.device, self.recipe = options, device, recipe
-        # performance.channels_last: 4-D inputs in NHWC, like the model's weights
-        self.channels_last = bool(recipe is not None and recipe.performance.channels_last)
+    def __init__(self, options: Any = None, *, device: torch.device, model_spec: Any = None, data: Any = None,
+                 channels_last: bool = False):
+        """`model_spec` and `data`: the recipe's model and data blocks (the FLOPs count builds the model on
+        the meta device at the data's input shape); `channels_last`: performance.channels_last, 4-D inputs
+        in NHWC like the model's weights."""
+        self.options, self.device, self.model_spec, self.data = options, device, model_spec, data
+        self.channels_last = channels_last
         self.loss_fn = nn.CrossEntropyLoss()
+
+    @classmethod
+    def run_inputs(cls, recipe) -> dict:
+        """The constructor keywords taken from the resolved recipe beyond the task's own block."""
+        return {"model_spec": recipe.model, "data": recipe.data, "channels_last": recipe.performance.channels_last}
 
     def to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[0], batch[1]
@@ -48,15 +56,17 @@ class ClassificationTask:
         """FLOPs of one forward+backward of one micro-batch per rank, counted on the meta device."""
         from torch.utils.flop_counter import FlopCounterMode
 
-        recipe = self.recipe
-        shape = getattr(recipe.data, "shape", None)
-        if shape is None and hasattr(recipe.data, "image_size"):
-            shape = [3, recipe.data.image_size, recipe.data.image_size]
+        data = self.data
+        if data is None or self.model_spec is None:
+            return None
+        shape = getattr(data, "shape", None)
+        if shape is None and hasattr(data, "image_size"):
+            shape = [3, data.image_size, data.image_size]
         if shape is None:
             return None
         with torch.device("meta"):
-            model = build_model(recipe.model.model_copy(update={"weights": None}))
-            x = torch.empty(recipe.data.batch_size, *shape)
+            model = build_model(self.model_spec.model_copy(update={"weights": None}))
+            x = torch.empty(data.batch_size, *shape)
         counter = FlopCounterMode(display=False)
         with counter:
             model(x).float().sum().backward()

@@ -2,7 +2,8 @@
 
 Two halves, like every plugin: `RegressionOptions` is the light options model `trainkit validate`
 imports (pydantic only); `RegressionTask` is the runtime piece its `component` names, built once
-per rank as ``RegressionTask(options, *, device, recipe)``.
+per rank as ``RegressionTask(options, *, device, model_spec, data)``: what `run_inputs` takes from
+the recipe.
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ class RegressionOptions(TaskOptions):
 class RegressionTask:
     num_eval_sums = 3  # squared error, absolute error, count
 
-    def __init__(self, options: RegressionOptions, *, device, recipe: Any):
+    def __init__(self, options: RegressionOptions, *, device, model_spec: Any, data: Any):
         import torch
 
-        self.options, self.device, self.recipe = options, device, recipe
+        self.options, self.device, self.model_spec, self.data = options, device, model_spec, data
         self.loss_fn = (torch.nn.HuberLoss(delta=options.huber_delta) if options.huber_delta
                         else torch.nn.MSELoss())
+
+    @classmethod
+    def run_inputs(cls, recipe) -> dict:
+        """What the task takes from the resolved recipe beyond its own block (the FLOPs count builds
+        the model at the data's input size)."""
+        return {"model_spec": recipe.model, "data": recipe.data}
 
     def to_device(self, batch):
         x, y = batch[0], batch[1]
@@ -58,8 +65,8 @@ class RegressionTask:
         from trainkit.runtime.model import build_model
 
         with torch.device("meta"):
-            model = build_model(self.recipe.model.model_copy(update={"weights": None}))
-            x = torch.empty(self.recipe.data.batch_size, self.recipe.data.dim)
+            model = build_model(self.model_spec.model_copy(update={"weights": None}))
+            x = torch.empty(self.data.batch_size, self.data.dim)
         counter = FlopCounterMode(display=False)
         with counter:
             model(x).float().sum().backward()

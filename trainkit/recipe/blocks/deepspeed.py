@@ -56,7 +56,14 @@ class DeepSpeedOptions(StrategyOptions):
         # host memory: retain fragments the heap around DeepSpeed's flat buffers (bench).
         # mesh: one data-parallel dimension, the one `parallel_dims` lays the world out on (ZeRO 1-3
         # partition over every rank: dp_shard; ZeRO 0 replicates); DeepSpeed builds its own groups.
-        return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True,
+        effect = {0: "", 1: "per-rank optimizer state ~ 1/dp", 2: "per-rank optimizer state and gradients ~ 1/dp",
+                  3: "per-rank model state (parameters, gradients, optimizer) ~ 1/dp, one module gathered at a time"
+                  }[self.zero_stage]
+        offloaded = [what for what, where in (("optimizer", self.offload_optimizer), ("parameters", self.offload_param))
+                     if where != "none"]
+        if offloaded:
+            effect += ("; " if effect else "") + f"the {' and '.join(offloaded)} off the device"
+        return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True, effect=effect,
                             pretrained_load_refusal="DeepSpeed's engine keeps the model in its own flat partitions, "
                             "which the Hugging Face reader trainkit uses (torch.distributed.checkpoint) does not fill "
                             "(not built yet)",
@@ -103,11 +110,12 @@ class DeepSpeedOptions(StrategyOptions):
         if isinstance(zero, dict) and "stage" in zero:
             yield ("strategy", "config", "zero_optimization", "stage"), "use strategy.zero_stage"
 
-    def runs_cpu_adam(self, recipe: Any) -> bool:
-        """Optimizer offload steps in DeepSpeed's CPU Adam (DeepSpeedCPUAdam) unless `torch_optimizer_reason`."""
-        return self.offload_optimizer != "none" and self.torch_optimizer_reason(recipe) is None
+    def runs_cpu_adam(self, optimizer: Any) -> bool:
+        """Optimizer offload steps in DeepSpeed's CPU Adam (DeepSpeedCPUAdam) unless `torch_optimizer_reason`
+        (`optimizer`: the recipe's optimizer block)."""
+        return self.offload_optimizer != "none" and self.torch_optimizer_reason(optimizer) is None
 
-    def torch_optimizer_reason(self, recipe: Any) -> Optional[str]:
+    def torch_optimizer_reason(self, optimizer: Any) -> Optional[str]:
         """Why an offloaded optimizer step runs in trainkit's torch optimizer instead of DeepSpeed's CPU Adam
         (None: no offload, or CPU Adam runs it). CPU Adam is Adam/AdamW only: adam maps to its L2 mode
         (adamw_mode false), adamw to decoupled weight decay, lr/betas/eps/weight_decay one to one."""
@@ -115,8 +123,8 @@ class DeepSpeedOptions(StrategyOptions):
             return None
         if self.config.get("zero_force_ds_cpu_optimizer") is False:
             return "strategy.config sets zero_force_ds_cpu_optimizer: false"
-        if not isinstance(recipe.optimizer, AdamOptions):
-            return f"DeepSpeed's CPU optimizer is Adam/AdamW only; optimizer {recipe.optimizer.name} has none"
+        if not isinstance(optimizer, AdamOptions):
+            return f"DeepSpeed's CPU optimizer is Adam/AdamW only; optimizer {optimizer.name} has none"
         return None
 
     @classmethod
