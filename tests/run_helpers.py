@@ -182,3 +182,13 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def planned_per_rank(path) -> int:
+    """What `trainkit plan` predicts one CPU rank needs for the recipe at `path` (the memory plan)."""
+    from trainkit.recipe import resolve
+    from trainkit.recipe.memory_plan import plan, setting_of
+    from trainkit.runtime.memory_trace import model_sizes
+
+    recipe = resolve(path).recipe
+    return plan(model_sizes(recipe), setting_of(recipe, "cpu")).per_rank

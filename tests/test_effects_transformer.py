@@ -14,7 +14,9 @@ import json
 
 import pytest
 
-from run_helpers import trainkit, write_recipe
+from run_helpers import planned_per_rank, trainkit, write_recipe
+
+from trainkit.recipe.compatibility.effects import record_effect
 
 pytestmark = pytest.mark.distributed
 
@@ -53,13 +55,16 @@ def test_fsdp_gathers_one_transformer_block_at_a_time(tmp_path, corpus):
     model = {"vocab_size": 2048, "dim": 384, "layers": 16, "heads": 6, "seq_len": 64}
     stack = 16 * (4 * 384 * 384 + 3 * 384 * 1024 + 2 * 384)  # TransformerBlock: attention, SwiGLU 1024, norms
     data = {"seq_len": 64, "batch_size": 1}
-    blocks = peaks_above_baseline(tmp_path, transformer_recipe(tmp_path, "fsdp-blocks", corpus, model=model, data=data,
-                                                               strategy={"name": "fsdp"}))
-    one_unit = peaks_above_baseline(tmp_path, transformer_recipe(
-        tmp_path, "fsdp-one-unit", corpus, model=model, data=data, strategy={"name": "fsdp", "wrap": ["Sequential"]}))
+    per_block = transformer_recipe(tmp_path, "fsdp-blocks", corpus, model=model, data=data, strategy={"name": "fsdp"})
+    as_one = transformer_recipe(tmp_path, "fsdp-one-unit", corpus, model=model, data=data,
+                                strategy={"name": "fsdp", "wrap": ["Sequential"]})
+    blocks, one_unit = peaks_above_baseline(tmp_path, per_block), peaks_above_baseline(tmp_path, as_one)
     print(f"fsdp transformer, above the baseline per rank: blocks {[b // MiB for b in blocks]} MiB, "
           f"the stack as one unit {[b // MiB for b in one_unit]} MiB")
     saved = min(one_unit) - max(blocks)
+    record_effect("fsdp/transformer", reference=one_unit, chosen=blocks, holds=saved > 4 * stack,
+                  predicted_saving=lambda: planned_per_rank(as_one) - planned_per_rank(per_block),
+                  criterion=f"saves > the stack's unsharded gradients and gathered parameters, {4 * stack // MiB} MiB")
     assert saved > 4 * stack, (
         f"FSDP's default units saved {saved // MiB} MiB per rank against one unit for the whole stack; "
         f"gathering one block at a time should save > {4 * stack // MiB} MiB (blocks {blocks}, one unit {one_unit})")
@@ -91,6 +96,10 @@ def test_activation_checkpointing_frees_the_transformer_blocks_activations(tmp_p
     saved = min(with_all) - max(with_checkpointing)
     print(f"ddp {family}, above the baseline per rank: {[b // MiB for b in with_all]} MiB, with checkpointing "
           f"{[b // MiB for b in with_checkpointing]} MiB; the trace frees {freed // MiB} MiB")
+    record_effect({"transformer": "activation_checkpointing/transformer",
+                   "hf_causal_lm": "activation_checkpointing/hf-llama"}[family], reference=with_all,
+                  chosen=with_checkpointing, predicted_saving=freed, holds=saved > freed / 2,
+                  criterion="saves > half of what the plan's trace frees")
     assert saved > freed / 2, (
         f"activation checkpointing saved {saved // MiB} MiB per rank; the plan's trace says it frees "
         f"{freed // MiB} MiB (without {with_all}, with {with_checkpointing})")
@@ -120,6 +129,8 @@ def test_activation_checkpointing_frees_a_resnets_activations(tmp_path):
     print(f"ddp resnet18, above the baseline per rank: {[b // MiB for b in with_all]} MiB, with checkpointing "
           f"{[b // MiB for b in with_checkpointing]} MiB; the trace frees {freed // MiB} MiB "
           f"({sizes.blocks} blocks)")
+    record_effect("activation_checkpointing/resnet18", reference=with_all, chosen=with_checkpointing,
+                  predicted_saving=freed, holds=saved > freed / 2, criterion="saves > half of what the plan's trace frees")
     assert sizes.blocks == 8 and freed > 0
     assert saved > freed / 2, (
         f"activation checkpointing saved {saved // MiB} MiB per rank; the plan's trace says it frees "

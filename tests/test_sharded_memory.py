@@ -23,8 +23,10 @@ import json
 
 import pytest
 
-from run_helpers import summary, trainkit, write_recipe
+from run_helpers import planned_per_rank, summary, trainkit, write_recipe
 from strategy_runs import SEEDED_MLP, deepspeed_env
+
+from trainkit.recipe.compatibility.effects import record_effect
 
 pytestmark = pytest.mark.distributed
 
@@ -79,9 +81,12 @@ def assert_nothing_gathered_after_step_2(peaks: list[dict], params: int) -> None
         f"model's parameters are {mib(4 * params)}")
 
 
-def assert_below_a_full_copy(peaks: list[dict], params: int, what: str) -> None:
+def assert_below_a_full_copy(peaks: list[dict], params: int, what: str, path) -> None:
     above = [p["peak"] - p["baseline"] for p in peaks]
     print(f"{what}: above the baseline {[mib(b) for b in above]}, a full training state {mib(full_state_bytes(params))}")
+    record_effect(f"{what}/mlp", reference=[full_state_bytes(params)] * len(above), chosen=above,
+                  predicted_saving=lambda: full_state_bytes(params) - planned_per_rank(path),
+                  holds=max(above) < full_state_bytes(params), criterion="below a DDP rank's whole training state")
     assert max(above) < full_state_bytes(params), (
         f"{what}: peak above the pre-model baseline per rank: {[mib(b) for b in above]}; a full copy of the "
         f"training state is {mib(full_state_bytes(params))} ({params:,} parameters)")
@@ -89,15 +94,17 @@ def assert_below_a_full_copy(peaks: list[dict], params: int, what: str) -> None:
 
 def test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path):
     hidden, depth = 2048, 5  # 19 M parameters, 72 MiB
-    peaks = peaks_of_a_run(tmp_path, recipe(tmp_path, {"name": "fsdp"}, hidden, depth), {})
+    path = recipe(tmp_path, {"name": "fsdp"}, hidden, depth)
+    peaks = peaks_of_a_run(tmp_path, path, {})
     assert_nothing_gathered_after_step_2(peaks, parameters(hidden, depth))
-    assert_below_a_full_copy(peaks, parameters(hidden, depth), "fsdp")
+    assert_below_a_full_copy(peaks, parameters(hidden, depth), "fsdp", path)
 
 
 def test_zero3_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ext):
     """fp32, torch's AdamW, 31.5 M parameters (120 MiB)."""
     hidden, depth = 3072, 4
     params = parameters(hidden, depth)
-    peaks = peaks_of_a_run(tmp_path, recipe(tmp_path, {"name": "deepspeed", "zero_stage": 3}, hidden, depth), ext)
+    path = recipe(tmp_path, {"name": "deepspeed", "zero_stage": 3}, hidden, depth)
+    peaks = peaks_of_a_run(tmp_path, path, ext)
     assert_nothing_gathered_after_step_2(peaks, params)
-    assert_below_a_full_copy(peaks, params, "zero3")
+    assert_below_a_full_copy(peaks, params, "zero3", path)

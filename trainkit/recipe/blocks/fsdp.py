@@ -33,7 +33,12 @@ class FSDPOptions(StrategyOptions):
         # full_tensor(), the GradScaler's found-inf all-reduce and the replica digests are collectives
         # over CPU tensors, which nccl cannot carry (torchtitan adds cpu:gloo for its CPU offload too).
         # host memory: retain fragments the heap around FSDP's buffers (peak RSS 2x, bench).
+        effect = ("per-rank model state (parameters, gradients, optimizer) ~ 1/dp_shard, one unit (block) "
+                  "gathered at a time")
+        if self.cpu_offload:
+            effect += "; the shards and the optimizer step on the CPU, off the device"
         return Capabilities(shards_parameters=True, background_save_refusal="", cpu_collectives=self.cpu_offload, host_memory_on_cpu="release",
+                            effect=effect,
                             contiguous_parameters=True, mesh_dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
                             unsupported_performance={"sync_batchnorm": (
                                 "FSDP2 does not synchronise BatchNorm buffers through SyncBatchNorm's process "

@@ -50,6 +50,8 @@ class PipelineOptions(StrategyOptions):
         # channels_last: a traced ResNet's stage sent its NHWC activation and torch's P2P send refused it
         # ("input tensor has to be contiguous"; found by the compatibility grid)
         return Capabilities(splits_model=True, reshards_on_load=False,
+                            effect="per-rank parameters, optimizer state and activations ~ 1/stages (each rank "
+                                   "holds its stages)",
                             pretrained_load_refusal="its stages are re-built modules whose parameter names are not "
                             "the checkpoint's (not built yet)",
                             background_save_refusal="the pipeline writes its checkpoint itself (one file per "

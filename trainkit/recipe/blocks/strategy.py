@@ -78,6 +78,9 @@ class Capabilities:
         holds ("": its model's state dict is plain tensors or DTensors, which DCP's Hugging Face reader fills).
     background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
         ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
+    effect: what a user picks the strategy for, as measured on its cells (docs/compatibility.md, "Effects":
+        recipe.compatibility.effects); "" for plain data parallelism, the reference the others are measured
+        against.
     """
 
     bucketed_allreduce: bool = False
@@ -96,6 +99,7 @@ class Capabilities:
     background_save_refusal: str = ("its checkpoint is not declared to be the model's and optimizer's DCP state "
                                     "dicts (Capabilities.background_save_refusal), which is what a background "
                                     "write saves")
+    effect: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
@@ -151,6 +151,19 @@ class PerformanceOptions(Block):
                                     "system leaves glibc's defaults; auto on the CPU: the strategy's choice "
                                     "(retain for ddp and pipeline, release for fsdp and deepspeed); system on GPUs")
 
+    # What a user turns each option on for (docs/compatibility.md, "Effects": measured where this machine
+    # shows it; recipe.compatibility.effects)
+    EFFECTS: ClassVar[dict[str, str]] = {
+        "tf32": "step time of fp32 matmuls and convolutions (GPUs, Ampere and later)",
+        "compile": "step time (fused kernels, fewer launches; GPUs)",
+        "channels_last": "step time of convolutions (tensor cores, CPUs with oneDNN)",
+        "cudnn_benchmark": "step time of convolutions (GPUs)",
+        "float8": "step time of large matmuls (GPUs of compute capability 8.9+)",
+        "sync_batchnorm": "BatchNorm statistics over the global batch (what the model learns, not memory or speed)",
+        "activation_checkpointing": "activations of recomputed blocks not held between forward and backward",
+        "host_allocator": "host memory or step time (retain: no page faults; release: lowest resident memory)",
+    }
+
     @property
     def compile_options(self) -> Optional[CompileOptions]:
         """The compile settings, or None when compile is off."""
@@ -169,7 +182,9 @@ class TrackingOptions(Block):
     uri: Optional[str] = Field(default=None, description="MLflow tracking URI (null: embedded SQLite store)")
     run_name: Optional[str] = Field(default=None, description="MLflow run name (default: recipe name)")
     enabled: bool = Field(default=True, description="log to MLflow at all")
-    log_model: bool = Field(default=False, description="log the final model with mlflow.pytorch")
+    log_model: bool = Field(default=False, description="log the final model to MLflow: a Hugging Face model (LoRA "
+                                                          "merged) in the transformers flavour, any other with "
+                                                          "mlflow.pytorch")
     log_checkpoints: bool = Field(default=False, description="upload checkpoints as artifacts")
     close_wait_s: float = Field(default=30.0, ge=0, description="at the end of a run, how long to keep retrying an "
                                 "unreachable MLflow server (a restart rides it out) before leaving the records "

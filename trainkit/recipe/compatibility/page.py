@@ -1,21 +1,25 @@
 """docs/compatibility.md, generated from the declared cells, validate's verdict on each and the
 recorded verification results (docs/compatibility-results.json, written by the grid test with
-TRAINKIT_GRID_RECORD set). `python -m trainkit.recipe.compatibility --markdown` prints it;
+TRAINKIT_GRID_RECORD set) and the recorded effects (docs/effect-results.json: recipe.compatibility.effects).
+`python -m trainkit.recipe.compatibility --markdown` prints it;
 tests/test_compatibility.py checks the committed page equals it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from .grid import BF16_PARAMETERS, LATER_STEPS_WITH_BATCHNORM, MESH_CELLS, MODELS, OPTIONS, PRECISIONS, REGRESSIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
     pairwise_cells, refused_pairs
+from .effects import load_effects, section as effect_section
 from .results import RESULTS, load_results
 from .status import Status, statuses
 
 COMMAND = "python -m trainkit.recipe.compatibility --markdown > docs/compatibility.md"
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any], effects: Optional[dict[str, Any]] = None) -> str:
+    """The page, from the verification results and the recorded effects (docs/effect-results.json when
+    `effects` is None)."""
     core, pairs, regressions = statuses(core_cells()), statuses(pairwise_cells()), statuses(REGRESSIONS)
     meshes = statuses(MESH_CELLS)
     refused_pairs_ = refused_pairs()
@@ -64,7 +68,8 @@ def markdown(results: dict[str, Any]) -> str:
               "| strategy | mesh | option | precision | model | init | status |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {s.cell.strategy} | {s.cell.mesh} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | "
               f"{s.cell.init} | {_verdict(s, results, refusals)} |" for s in meshes]
-    lines += ["", "## Refused, and what to use instead", "",
+    lines += ["", *effect_section(load_effects() if effects is None else effects)]
+    lines += ["## Refused, and what to use instead", "",
               "Each refusal is `trainkit validate`'s own message, from the rule the strategy, option or model "
               "owns, or (device refusals) the message `trainkit run`'s preflight stops with.", ""]
     lines += [f"{n}. {message}" for message, n in refusals.items()]
