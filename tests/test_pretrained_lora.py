@@ -50,7 +50,7 @@ def chat_data(tmp, pretrained: str) -> dict:
 
 
 def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict, precision: str = "fp32",
-             steps: int = 3, **env: str) -> tuple:
+             steps: int = 3, tracking: dict = {"enabled": False}, **env: str) -> tuple:  # noqa: B006
     path = write_recipe(tmp, name, {
         "seed": 0, "task": {"name": "causal_lm"}, "precision": precision,
         "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained, "lora": LORA}},
@@ -58,7 +58,7 @@ def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict, precis
         "strategy": strategy, "optimizer": {"name": "adamw", "lr": 1e-2},
         "trainer": {"max_steps": steps, "log_every": 1, "checkpoint": {"every": 2 if steps > 3 else 3},
                     "eval_every": steps, "eval_steps": 1},
-        "launch": {"nproc_per_node": 2, "timeout_s": 180, "max_restarts": 1}, "tracking": {"enabled": False}})
+        "launch": {"nproc_per_node": 2, "timeout_s": 180, "max_restarts": 1}, "tracking": tracking})
     result = trainkit(tmp, "run", str(path), **env)
     assert result.returncode == 0, result.output[-4000:]
     return path, tmp / "runs" / name
@@ -86,8 +86,11 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
         "seq_len": 32, "batch_size": 4}
     restarted = precision == "bf16"
     steps = 4 if restarted else 3
+    # the uninterrupted run also logs its model to MLflow (tracking.log_model): the merged model in MLflow's
+    # transformers flavour
+    tracking = {"enabled": False} if restarted else {"enabled": True, "experiment": "lora", "log_model": True}
     _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", block, pretrained, strategy, precision, steps,
-                          **({"TRAINKIT_FAULT_INJECT": "rank=1,step=3"} if restarted else {}))
+                          tracking, **({"TRAINKIT_FAULT_INJECT": "rank=1,step=3"} if restarted else {}))
     assert summary(run_dir)["model_init"] == "pretrained"
     if restarted:
         assert summary(run_dir)["resumed_from"].endswith("step-00000002"), summary(run_dir)
@@ -142,6 +145,21 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
         {p.name for p in merged_dir.iterdir()}
     served = AutoModelForCausalLM.from_pretrained(str(merged_dir), torch_dtype=torch.float32).eval()
     assert torch.allclose(served(input_ids=tokens).logits, expected, rtol=1e-4, atol=1e-5)
+
+    if not restarted:  # tracking.log_model: what MLflow's transformers flavour gives back serves the same model
+        import mlflow.artifacts
+        import mlflow.transformers
+        from mlflow.tracking import MlflowClient
+
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        client = MlflowClient(uri)
+        [run] = client.search_runs([client.get_experiment_by_name("lora").experiment_id])
+        assert "trainkit.log_model_error" not in run.data.tags, run.data.tags["trainkit.log_model_error"]
+        local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model", tracking_uri=uri,
+                                                    dst_path=str(tmp_path / "logged"))
+        pipe = mlflow.transformers.load_model(local)
+        assert type(pipe).__name__ == "TextGenerationPipeline"
+        assert torch.allclose(pipe.model.float().eval()(input_ids=tokens).logits, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_export_hf_refuses_a_model_that_is_not_a_hugging_face_one(tmp_path):

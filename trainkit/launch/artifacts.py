@@ -7,6 +7,7 @@ must not import.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -16,9 +17,10 @@ from ..recipe.schema import Recipe
 from ..run_dir import CHECKPOINTS, MODEL
 from ..runtime.checkpoint import newest_valid
 from ..runtime.export import consolidated_state_dict
+from ..runtime.export_hf import export_hf
 from ..runtime.materialize import parameters_on_meta
 from ..runtime.model import build_model
-from ..tracking.mlflow_model import save_pytorch_model
+from ..tracking.mlflow_model import save_pytorch_model, save_transformers_model
 
 
 def example_input(recipe: Recipe) -> torch.Tensor:
@@ -42,11 +44,23 @@ def model_artifacts(recipe: Recipe, run_dir: Path, status: str) -> tuple[list[tu
         artifacts.append((newest, f"checkpoints/{newest.name}"))
     if t.log_model and status == "FINISHED":
         try:
-            with parameters_on_meta():  # the consolidated tensors become the parameters: one copy, not two
-                model = build_model(recipe.model.model_copy(update={"weights": None}))
-            model.load_state_dict(consolidated_state_dict(newest)[1], assign=True)
-            model.eval()
-            artifacts.append((save_pytorch_model(model, run_dir / MODEL, example_input(recipe)), "model"))
+            artifacts.append((_saved_model(recipe, run_dir, newest), "model"))
         except Exception as exc:  # a model that cannot be saved must not hold back the run's status
             return artifacts, {"trainkit.log_model_error": f"{type(exc).__name__}: {exc}"[:5000]}
     return artifacts, {}
+
+
+def _saved_model(recipe: Recipe, run_dir: Path, checkpoint: Path) -> Path:
+    """The checkpoint's model as an MLflow model folder: a Hugging Face model (one that writes itself as a
+    Hugging Face directory, `save_merged`: LoRA adapters folded in) in the transformers flavour, any
+    other as a PyTorch model."""
+    with parameters_on_meta():  # the consolidated tensors become the parameters: one copy, not two
+        model = build_model(recipe.model.model_copy(update={"weights": None}))
+    if hasattr(model, "save_merged"):  # `trainkit export --hf`'s directory, then MLflow's flavour reads it
+        del model
+        with tempfile.TemporaryDirectory(dir=run_dir) as hf_dir:
+            export_hf(checkpoint, Path(hf_dir) / "hf")
+            return save_transformers_model(Path(hf_dir) / "hf", run_dir / MODEL, getattr(recipe.data, "tokenizer", None))
+    model.load_state_dict(consolidated_state_dict(checkpoint)[1], assign=True)
+    model.eval()
+    return save_pytorch_model(model, run_dir / MODEL, example_input(recipe))
