@@ -50,6 +50,51 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# --------------------------------------------------------------------------- DeepSpeed's ops, built once
+# DeepSpeed JIT-compiles its CPU comm op (~30 s) and CPU Adam (~60 s) on first use, into the extension
+# folder every DeepSpeed launch of the session shares (strategy_runs.deepspeed_env: pytest's cache). The
+# first launch that needs them waited for that build on one core while the other sat idle. When the
+# session runs launching tests, one background process at the lowest CPU priority builds both from the
+# start, on what the tests leave idle; a launch that needs an op meanwhile waits on torch's build lock for
+# the build in progress instead of starting another. Its own session: a Ctrl-C of pytest does not cut
+# a build and leave the lock behind.
+_op_builder = None
+
+DEEPSPEED_OPS_BUILD = (
+    "import os\n"
+    "os.nice(19)\n"
+    "from deepspeed.accelerator import get_accelerator\n"
+    "for name in ('ShareMemCommBuilder', 'CPUAdamBuilder'):\n"
+    "    builder = get_accelerator().create_op_builder(name)\n"
+    "    if builder is not None:\n"
+    "        builder.load(verbose=False)\n")
+
+
+def pytest_collection_finish(session):
+    global _op_builder
+    import importlib.util
+    import subprocess
+
+    if getattr(session.config, "cache", None) is None or importlib.util.find_spec("deepspeed") is None:
+        return
+    if not any(item.get_closest_marker("distributed") for item in session.items):
+        return
+    from strategy_runs import deepspeed_extensions_folder
+
+    folder = deepspeed_extensions_folder(session.config)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}
+    _op_builder = subprocess.Popen([sys.executable, "-c", DEEPSPEED_OPS_BUILD], env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    if _op_builder is not None and _op_builder.poll() is None:
+        try:
+            _op_builder.wait(timeout=300)  # never cut a build: its lock would stop the next session's launches
+        except Exception:
+            pass
+
+
 @pytest.fixture(autouse=True)
 def _launches_are_marked(request, monkeypatch):
     import multiprocessing

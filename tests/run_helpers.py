@@ -192,3 +192,12 @@ def planned_per_rank(path) -> int:
 
     recipe = resolve(path).recipe
     return plan(model_sizes(recipe), setting_of(recipe, "cpu")).per_rank
+
+
+def planned_saving_against_ddp(path) -> int:
+    """What the memory plan says the recipe at `path` saves per rank against the same recipe under DDP
+    (what each rank would hold as a whole replica); the plan's fixed runtime lines cancel out."""
+    recipe = yaml.safe_load(Path(path).read_text())
+    replica = Path(path).with_name(Path(path).stem + "-as-ddp.yaml")
+    replica.write_text(yaml.safe_dump({**recipe, "strategy": {"name": "ddp"}}, sort_keys=False))
+    return planned_per_rank(replica) - planned_per_rank(path)

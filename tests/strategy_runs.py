@@ -59,9 +59,16 @@ def resume_from_step_10(tmp: Path, run_dir: Path, recipe_path: Path, **env: str)
     return [r["loss"] for r in rows if r["step"] > 10]
 
 
+def deepspeed_extensions_folder(config) -> Path:
+    """The extension folder every DeepSpeed launch of the session uses (pytest's cache, kept across
+    sessions; tests/conftest.py builds DeepSpeed's ops into it in the background)."""
+    return Path(config.cache.mkdir("torch_extensions"))
+
+
 def deepspeed_env(request, tmp_path_factory) -> dict:
     """DeepSpeed's CPU accelerator, and one TORCH_EXTENSIONS_DIR for every DeepSpeed launch: it
     JIT-compiles its CPU comm op on first use (~40 s), kept in pytest's cache across sessions."""
     cache = getattr(request.config, "cache", None)  # absent under `-p no:cacheprovider`
-    folder = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
+    folder = deepspeed_extensions_folder(request.config) if cache is not None else \
+        tmp_path_factory.mktemp("torch_extensions")
     return {"TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}

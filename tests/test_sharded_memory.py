@@ -23,7 +23,7 @@ import json
 
 import pytest
 
-from run_helpers import planned_per_rank, summary, trainkit, write_recipe
+from run_helpers import planned_saving_against_ddp, summary, trainkit, write_recipe
 from strategy_runs import SEEDED_MLP, deepspeed_env
 
 from trainkit.recipe.compatibility.effects import record_effect
@@ -85,7 +85,7 @@ def assert_below_a_full_copy(peaks: list[dict], params: int, what: str, path) ->
     above = [p["peak"] - p["baseline"] for p in peaks]
     print(f"{what}: above the baseline {[mib(b) for b in above]}, a full training state {mib(full_state_bytes(params))}")
     record_effect(f"{what}/mlp", reference=[full_state_bytes(params)] * len(above), chosen=above,
-                  predicted_saving=lambda: full_state_bytes(params) - planned_per_rank(path),
+                  predicted_saving=lambda: planned_saving_against_ddp(path),
                   holds=max(above) < full_state_bytes(params), criterion="below a DDP rank's whole training state")
     assert max(above) < full_state_bytes(params), (
         f"{what}: peak above the pre-model baseline per rank: {[mib(b) for b in above]}; a full copy of the "

@@ -114,8 +114,9 @@ def section(effects: dict[str, Any]) -> list[str]:
     lines += ["", "Measured (each worker's resident high-water mark over its whole run -- build, steps, a "
               "checkpoint, the end-of-run checks -- above its baseline before the model; 2 CPU ranks, fp32, "
               "AdamW or SGD; recorded with `TRAINKIT_EFFECT_RECORD=1 pytest TEST`). *Predicted* is what the "
-              "memory plan says the choice saves (`trainkit plan`: its trace of the model's activations, its "
-              "division of the model state):", "",
+              "memory plan says the choice saves per rank (`trainkit plan`: its trace of the model's "
+              "activations, its division of the model state; for a sharded strategy against the same recipe "
+              "under DDP, which the computed reference stands for):", "",
               "| choice | family | compared with | reference, per rank | with the choice | saved | predicted | holds | "
               "recorded |", "|---|---|---|---|---|---|---|---|---|"]
     for case in CASES:
@@ -129,7 +130,12 @@ def section(effects: dict[str, Any]) -> list[str]:
         lines.append(f"| {case.choice} | {case.family} | {case.reference} | {_mib(r['reference_mib'])} | "
                      f"{_mib(r['chosen_mib'])} | {r['saved_mib']} MiB | {predicted} | {holds} ({r['criterion']}) | "
                      f"{r['date']}, torch {r['torch']} |")
-    lines += ["", "Not measured here, and why: step-time effects (compile, channels_last, cudnn_benchmark, tf32, "
+    lines += ["", "Read the MLP rows with their reference: it is computed (parameters, gradients and AdamW's two "
+              "moments in fp32), not a measured DDP run, so it leaves out what a DDP rank also holds (its "
+              "gradient buckets, a second copy of the gradients) and what the sharded engines add (ZeRO-3's "
+              "fixed buckets and prefetch buffers, ~200 MiB per rank on the CPU): the measured saving is well "
+              "below the plan's, and a measured DDP reference for these two rows is still to be recorded.",
+              "", "Not measured here, and why: step-time effects (compile, channels_last, cudnn_benchmark, tf32, "
               "float8) show on GPUs; their figures, with device and command, are in docs/benchmarks.md (GPU tier) "
               "and CPU step times are noise-bound at these sizes. Offload frees *device* memory, which a CPU run "
               "does not have. Tensor parallel's 1/tp parameters and HSDP's shard dimension are not yet recorded "
