@@ -208,7 +208,7 @@ def test_each_pipeline_rank_is_credited_with_its_own_stages_flops():
     whole = counter.get_total_flops()
     assert len(per_stage) == 2 and all(0 < f < whole for f in per_stage)
     assert whole <= sum(per_stage) <= whole * 1.2
-    strategy = PipelineStrategy(options, device=torch.device("cpu"))
+    strategy = PipelineStrategy(options, device=torch.device("cpu"), data=None)  # no tracing, no evaluation here
     strategy_flops = strategy.flops_of_rank(model, x)  # one process: rank 0 of 1 holds both stages
     assert strategy_flops == pytest.approx(sum(per_stage))
 
@@ -216,7 +216,7 @@ def test_each_pipeline_rank_is_credited_with_its_own_stages_flops():
         rank = property(lambda self: 1)
         world_size = property(lambda self: 2)
 
-    assert SecondOfTwo(options, device=torch.device("cpu")).flops_of_rank(model, x) == pytest.approx(per_stage[1])
+    assert SecondOfTwo(options, device=torch.device("cpu"), data=None).flops_of_rank(model, x) == pytest.approx(per_stage[1])
 
 
 def test_gpu_sampler_reads_nvml_every_interval_and_aggregates_between_log_steps():
