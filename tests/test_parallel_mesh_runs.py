@@ -294,7 +294,8 @@ def check_communication_per_dimension(runs: Path) -> None:
     assert all("comm" not in r for r in phases), phases  # DDP's gradient timer has nothing to time: not 0 ms
     assert len(fsdp_tp) == len(hsdp) == 4, (fsdp_tp, hsdp)
     for dims in fsdp_tp:
-        for dim in ("tp", "dp_shard"):
+        # "dp_shard_tp": the flattened dimension over which DTensor reduces the clipped gradient norm
+        for dim in ("tp", "dp_shard", "dp_shard_tp"):
             assert dims[dim]["s"] > 0 and dims[dim]["bytes"] > 0 and dims[dim]["count"] >= 1, dims
         assert "dp_replicate" not in dims, dims
     for dims in hsdp:

@@ -4,9 +4,8 @@ the rank is blocked inside a collective (the hang report's "Flight Recorder" sec
 Why a hook: `FlightRecorderHook.attach(group)` records each collective of a group (op, sequence
 number, sizes, dtypes) whatever its backend, gloo included, into the process's Flight Recorder, the
 same record NCCL keeps natively: so the CPU tests run the code a GPU run uses. Every group is
-hooked as it is registered (the world here; later the device mesh's, the checkpoint writer's):
-torch has no public callback on group creation, so this wraps the one function every group passes
-through, `distributed_c10d._register_pg_in_world`.
+hooked as it is registered (the world here; later the device mesh's, the checkpoint writer's), as
+`runtime.process_groups` tells of it.
 
 Why a server: a rank blocked in a collective runs no Python code of its own (a Python signal
 handler would wait for it), so the record is served by torch's C++ worker server
@@ -21,6 +20,8 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+from . import process_groups
 
 SOCKETS_ENV = "TRAINKIT_FLIGHT_RECORDER_DIR"  # set by the launcher's hang watch: the rank's sockets go there
 SOCKET = "rank{rank}.sock"
@@ -41,23 +42,15 @@ def start(rank: int) -> None:
     if not directory or _server is not None:
         return
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    try:  # torch 2.14's hook, server and group registry; an older torch trains on without the record
+    try:  # torch 2.14's hook and server; an older torch trains on without the record
         from torch._C._distributed_c10d import FlightRecorderHook, _WorkerServer  # noqa: F401
-        register = distributed_c10d._register_pg_in_world
-    except (ImportError, AttributeError) as exc:
+    except ImportError as exc:
         print(f"trainkit: warning: rank {dist.get_rank()}: no Flight Recorder in this torch ({exc}); a hang report "
               "will have the stacks and trainkit's own collective record only", file=sys.stderr)
         return
-    for group in list(distributed_c10d._world.pg_map):
-        _attach(group)
-
-    def register_and_record(pg, *args, **kwargs):
-        register(pg, *args, **kwargs)
-        _attach(pg)
-
-    distributed_c10d._register_pg_in_world = register_and_record
+    if not process_groups.each_group(_attach):  # every group now, and each one made later
+        print(f"trainkit: warning: rank {dist.get_rank()}: this torch does not say when a process group is made; "
+              "the Flight Recorder records only the groups that exist now", file=sys.stderr)
     path = socket_path(Path(directory), rank)
     path.unlink(missing_ok=True)  # a previous attempt's rank (restarts reuse the launch's directory)
     try:

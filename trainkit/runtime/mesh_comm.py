@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import process_groups
 from .timing import CommSpans, time_source
 
 HOOK_ID = 0x6D657368  # "mesh": this module's hooks among other hooks on the same groups (Flight Recorder)
@@ -58,7 +59,7 @@ def _nbytes(tensors) -> int:
 class MeshCommTimer:
     """Hooks on the mesh's groups recording each collective's (issued, completed) marks per dimension."""
 
-    def __init__(self, groups: dict[str, Any], device: torch.device):
+    def __init__(self, groups: dict[str, Any], device: torch.device, mesh=None):
         self.source = time_source(device)
         self._lock = threading.Condition()
         self._open = 0  # collectives issued whose completion is not recorded yet
@@ -70,11 +71,22 @@ class MeshCommTimer:
         self._untimed: dict[str, int] = defaultdict(int)
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: Optional[threading.Thread] = None
-        self.groups = groups
+        self.groups: dict[str, Any] = {}
+        self._hook(groups)
+        # a dimension flattened after the timer started is a new group: it is timed from the step after it
+        # appears (`take` asks runtime.process_groups whether one did). FSDP x TP flattens "dp_shard_tp"
+        # while it is set up, before the timer: measured here, so that case needs no rescan.
+        self.mesh = mesh
+        self._seen = process_groups.generation() if mesh is not None and process_groups.watch() else None
+
+    def _hook(self, groups: dict[str, Any]) -> None:
         for name, group in groups.items():
+            if name in self.groups:
+                continue
             started: dict[int, Any] = {}
             group.register_pre_hook(HOOK_ID, self._pre(name, started))
             group.register_post_hook(HOOK_ID, self._post(name, started))
+            self.groups[name] = group
 
     def _pre(self, dim: str, started: dict):
         def pre(args) -> None:
@@ -163,6 +175,9 @@ class MeshCommTimer:
         window (or dropped with the time between steps). If that wait ever times out, something
         stays in flight across steps, and later calls do not wait: it counts when it completes.
         `settle=False`: no wait, for a call that only clears what ran between steps."""
+        if self._seen is not None and process_groups.generation() != self._seen:
+            self._seen = process_groups.generation()
+            self._hook(mesh_groups(self.mesh))
         with self._lock:
             if settle and self._open > 0 and self.settle_s > 0 and not self._lock.wait_for(lambda: self._open <= 0,
                                                                               timeout=self.settle_s):
@@ -219,4 +234,4 @@ def build(mesh, device: torch.device, world_size: int) -> Optional[MeshCommTimer
               "(ProcessGroup.register_pre_hook, torch 2.14); this torch has none, so it is not measured",
               file=sys.stderr)
         return None
-    return MeshCommTimer(groups, device) if groups else None
+    return MeshCommTimer(groups, device, mesh) if groups else None
