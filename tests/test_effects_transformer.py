@@ -74,6 +74,31 @@ HF_LLAMA = {"config": {"model_type": "llama", "vocab_size": 2048, "hidden_size":
                        "num_hidden_layers": 8, "num_attention_heads": 4, "max_position_embeddings": 512}}
 
 
+def test_fsdp_shards_a_hugging_face_models_state_against_ddp(tmp_path, corpus):
+    """A transformers Llama of 27.7 M parameters (8 LlamaDecoderLayers, its `_no_split_modules`: FSDP's
+    units), 64 tokens x 1 sequence: the model's state dominates (fp32 parameters, gradients, AdamW's two
+    moments: 443 MiB on a DDP rank). FSDP on 2 ranks must lower each rank's whole-run peak by at least a
+    quarter of that against DDP (each strategy with its own CPU defaults). Measured: see
+    docs/compatibility.md, "Effects"."""
+    config = {**HF_LLAMA["config"], "hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8}
+    params = 2 * 2048 * 512 + 8 * (4 * 512 * 512 + 3 * 512 * 1408 + 2 * 512) + 512
+    data = {"seq_len": 64, "batch_size": 1}
+    replicas = transformer_recipe(tmp_path, "hf-ddp", corpus, model={"config": config}, data=data, family="hf_causal_lm")
+    sharded = transformer_recipe(tmp_path, "hf-fsdp", corpus, model={"config": config}, data=data,
+                                 family="hf_causal_lm", strategy={"name": "fsdp"})
+    ddp, fsdp = peaks_above_baseline(tmp_path, replicas), peaks_above_baseline(tmp_path, sharded)
+    full_state = 16 * params
+    saved = min(ddp) - max(fsdp)
+    print(f"hf llama, above the baseline per rank: ddp {[b // MiB for b in ddp]} MiB, fsdp {[b // MiB for b in fsdp]} "
+          f"MiB; the whole training state {full_state // MiB} MiB")
+    record_effect("fsdp/hf-llama", reference=ddp, chosen=fsdp, holds=saved > full_state / 4,
+                  predicted_saving=lambda: planned_per_rank(replicas) - planned_per_rank(sharded),
+                  criterion=f"saves > a quarter of the training state, {full_state // 4 // MiB} MiB")
+    assert saved > full_state / 4, (
+        f"FSDP saved {saved // MiB} MiB per rank against DDP on a {params:,}-parameter Llama; its training state is "
+        f"{full_state // MiB} MiB (ddp {ddp}, fsdp {fsdp})")
+
+
 @pytest.mark.parametrize("family", ["transformer", "hf_causal_lm"])
 def test_activation_checkpointing_frees_the_transformer_blocks_activations(tmp_path, corpus, family):
     """DDP, 8 blocks at 512 tokens x 2 sequences: activations dominate (the plan's trace: the model's

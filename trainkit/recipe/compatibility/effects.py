@@ -39,6 +39,9 @@ CASES = (
     EffectCase("fsdp/transformer", "fsdp (default units: the TransformerBlocks)", "transformer (16 blocks, 30 M)",
                "fsdp with the whole stack as one unit (`wrap: [Sequential]`, the default before issue 37)",
                "tests/test_effects_transformer.py::test_fsdp_gathers_one_transformer_block_at_a_time"),
+    EffectCase("fsdp/hf-llama", "fsdp (default units: the LlamaDecoderLayers)", "hf-llama (8 layers, 27.7 M)",
+               "the same run under DDP", "tests/test_effects_transformer.py::test_fsdp_shards_a_hugging_face_models_"
+               "state_against_ddp"),
     EffectCase("fsdp/mlp", "fsdp", "mlp (19 M)", "a DDP rank's whole training state (4 x the parameters, computed)",
                "tests/test_sharded_memory.py::test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run"),
     EffectCase("zero3/mlp", "deepspeed zero_stage 3", "mlp (31.5 M)",
