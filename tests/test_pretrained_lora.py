@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from chat_fixtures import save_chat_tokenizer, write_chat
+from strategy_runs import deepspeed_env
 from run_helpers import losses, summary, trainkit, write_recipe
 
 pytestmark = pytest.mark.distributed
@@ -65,15 +66,18 @@ def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict, precis
 
 
 @pytest.mark.parametrize("strategy,data,precision", [({"name": "fsdp"}, "chat", "fp32"),
-                                                     ({"name": "ddp"}, "text", "bf16")],
-                         ids=["fsdp-chat-fp32", "ddp-text-bf16-restarted"])
+                                                     ({"name": "ddp"}, "text", "bf16"),
+                                                     ({"name": "deepspeed", "zero_stage": 2}, "chat", "fp32")],
+                         ids=["fsdp-chat-fp32", "ddp-text-bf16-restarted", "zero2-chat-fp32"])
 def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_peft_adapter(
-        tmp_path, corpus, pretrained, strategy, data, precision):
+        request, tmp_path_factory, tmp_path, corpus, pretrained, strategy, data, precision):
     """FSDP: a chat SFT run (the pretrained directory's own chat template; its evaluation counts exactly
     the held-out conversations' assistant tokens, so nothing else is in the loss). DDP: plain text in
     bf16 autocast, and rank 1 dies after step 3: torchrun restarts the ranks, they resume the LoRA run
     from its step-2 checkpoint (not from the pretrained files again) and end where an uninterrupted run
-    of the same recipe ends, loss for loss."""
+    of the same recipe ends, loss for loss. ZeRO-2: the weights are read into the model as built, before
+    DeepSpeed's engine takes its fp32 master copy from it (a read after set-up would leave the optimizer
+    stepping the random initial weights)."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -89,8 +93,11 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
     # the uninterrupted run also logs its model to MLflow (tracking.log_model): the merged model in MLflow's
     # transformers flavour
     tracking = {"enabled": False} if restarted else {"enabled": True, "experiment": "lora", "log_model": True}
+    env = {"TRAINKIT_FAULT_INJECT": "rank=1,step=3"} if restarted else {}
+    if strategy["name"] == "deepspeed":
+        env.update(deepspeed_env(request, tmp_path_factory))
     _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", block, pretrained, strategy, precision, steps,
-                          tracking, **({"TRAINKIT_FAULT_INJECT": "rank=1,step=3"} if restarted else {}))
+                          tracking, **env)
     assert summary(run_dir)["model_init"] == "pretrained"
     if restarted:
         assert summary(run_dir)["resumed_from"].endswith("step-00000002"), summary(run_dir)
@@ -202,3 +209,38 @@ def test_validate_refuses_a_bad_pretrained_directory_with_file_level_messages(tm
         "trainer": {"max_steps": 1}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False}})
     result = trainkit(tmp_path, "validate", str(zero3))
     assert result.returncode == 2 and "cannot read pretrained weights" in result.output, result.output
+
+
+def test_a_full_fine_tune_under_zero2_starts_from_the_pretrained_weights(request, tmp_path_factory, tmp_path,
+                                                                         corpus, pretrained):
+    """ZeRO-2's engine takes its own copy of the weights when it is set up and writes it back into the
+    model at every step, so the weights are read before set-up (FSDP reads its shards after). One full
+    fine-tuning step at lr 1e-6 must end within 1e-5 of the pretrained weights: measured 1.0e-6 (one
+    AdamW step); with the weights read after set-up instead, 2.4e-4."""
+    from safetensors.torch import load_file
+
+    from trainkit.models.hf import hf_causal_lm
+    from trainkit.runtime.export import export
+
+    path = write_recipe(tmp_path, "full-zero2", {
+        "seed": 0, "task": {"name": "causal_lm"},
+        "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained}},
+        "data": {"name": "text", "files": corpus["files"], "tokenizer": corpus["tokenizer"], "seq_len": 32,
+                 "batch_size": 4},
+        "strategy": {"name": "deepspeed", "zero_stage": 2}, "optimizer": {"name": "adamw", "lr": 1e-6},
+        "trainer": {"max_steps": 1, "log_every": 1, "checkpoint": {"every": 1}},
+        "launch": {"nproc_per_node": 2, "timeout_s": 180}, "tracking": {"enabled": False}})
+    result = trainkit(tmp_path, "run", str(path), **deepspeed_env(request, tmp_path_factory))
+    assert result.returncode == 0, result.output[-4000:]
+    run_dir = tmp_path / "runs" / "full-zero2"
+    assert summary(run_dir)["model_init"] == "pretrained"
+    export(str(run_dir / "checkpoints" / "step-00000001"), str(tmp_path / "model.pt"))
+    model = hf_causal_lm(pretrained=pretrained)
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    trained = {model.pretrained_name(k): v for k, v in model.state_dict().items()}
+    original = {k: v.float() for k, v in load_file(f"{pretrained}/model.safetensors").items()}
+    far = {k: float((trained[k] - v).abs().max()) for k, v in original.items()
+           if not torch.allclose(trained[k], v, rtol=0, atol=1e-5)}
+    print("largest distance from the pretrained weights:", max(float((trained[k] - v).abs().max())
+                                                              for k, v in original.items()))
+    assert not far, f"weights left the pretrained checkpoint's after one step at lr 1e-6: {dict(list(far.items())[:5])}"

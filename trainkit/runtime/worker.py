@@ -129,8 +129,12 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                           contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters)
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
+    pretrained_dir = getattr(model, "pretrained_dir", None)
+    read_before_setup = bool(pretrained_dir) and strategy.capabilities.pretrained_before_setup
+    if read_before_setup:  # the engine copies the weights at set-up (a resume's checkpoint replaces them later)
+        load_pretrained(model, pretrained_dir, model.pretrained_name)
+        phases.say(f"weights read from {pretrained_dir}")
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
-    pretrained_dir = getattr(strategy.unwrap(model), "pretrained_dir", None)
     if pretrained_dir:
         init = "pretrained"
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
@@ -153,7 +157,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     source = resume.decide_on_ranks(strategy, run_dir, ckpt_dir, recipe.trainer.resume, restart)
     state = TrainState()
-    if source is None and pretrained_dir:  # each rank reads its own slices; a resume reads the checkpoint instead
+    if source is None and pretrained_dir and not read_before_setup:  # each rank reads its own slices; a resume
+        # reads the checkpoint instead
         bare = strategy.unwrap(model)
         load_pretrained(bare, pretrained_dir, bare.pretrained_name)
         phases.say(f"weights read from {pretrained_dir}")

@@ -76,6 +76,9 @@ class Capabilities:
     unsupported_performance: performance option -> why this strategy cannot apply it, with the fix.
     pretrained_load_refusal: why the strategy cannot read a pretrained directory's weights into the model it
         holds ("": its model's state dict is plain tensors or DTensors, which DCP's Hugging Face reader fills).
+    pretrained_before_setup: the weights are read into the model as built, before `setup` (an engine that
+        copies the model's weights when it is set up: DeepSpeed's fp32 master partitions); otherwise into
+        the model `setup` returns (FSDP's DTensor shards: each rank reads only its own slices).
     background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
         ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
     effect: what a user picks the strategy for, as measured on its cells (docs/compatibility.md, "Effects":
@@ -96,6 +99,7 @@ class Capabilities:
     mesh_dims: frozenset = frozenset({"dp_replicate"})
     unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
     pretrained_load_refusal: str = ""
+    pretrained_before_setup: bool = False
     background_save_refusal: str = ("its checkpoint is not declared to be the model's and optimizer's DCP state "
                                     "dicts (Capabilities.background_save_refusal), which is what a background "
                                     "write saves")
