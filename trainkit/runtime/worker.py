@@ -73,6 +73,16 @@ def _on_signal(signum, frame):
     raise StopRequested(signum)
 
 
+def _finish_failure_report() -> None:
+    """A failing rank finishes its report before anything else: the agent stops the other ranks as soon
+    as one fails, and its SIGTERM arriving while this rank reports its own failure (its collective
+    broke when the first rank died) would raise StopRequested inside the report. Python then printed
+    both tracebacks on the user's console instead of the rank's one line (seen once in the suite:
+    tests/test_run_ddp.py, exhausted restarts). The handlers are restored on the way out."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -285,6 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(console, flush=True)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
     except Exception as exc:
+        _finish_failure_report()
         progress_record.failed()  # its exit is a failure, not a hang
         if memory_watch.is_out_of_memory(exc):  # deterministic: the marker stops restarts repeating it
             exc = memory_watch.explained(exc)
