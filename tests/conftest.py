@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
 # DeepSpeed JIT-compiles its CPU comm op (~30 s) and CPU Adam (~60 s) on first use, into the extension
 # folder every DeepSpeed launch of the session shares (strategy_runs.deepspeed_env: pytest's cache). The
 # first launch that needs them waited for that build on one core while the other sat idle. When the
-# session runs launching tests, one background process at the lowest CPU priority builds both from the
+# session runs DeepSpeed's tests, one background process at the lowest CPU priority builds both from the
 # start, on what the tests leave idle; a launch that needs an op meanwhile waits on torch's build lock for
 # the build in progress instead of starting another. Its own session: a Ctrl-C of pytest does not cut
 # a build and leave the lock behind.
@@ -77,7 +77,9 @@ def pytest_collection_finish(session):
 
     if getattr(session.config, "cache", None) is None or importlib.util.find_spec("deepspeed") is None:
         return
-    if not any(item.get_closest_marker("distributed") for item in session.items):
+    # only for a session that launches DeepSpeed (its test modules share the ops through deepspeed_env):
+    # `pytest tests/test_run_ddp.py` neither builds them nor waits for a build at its end
+    if not any(getattr(getattr(item, "module", None), "deepspeed_env", None) for item in session.items):
         return
     from strategy_runs import deepspeed_extensions_folder
 

@@ -11,7 +11,7 @@ import pytest
 
 from lm_runs import tiny_lm
 from run_helpers import losses, summary, write_recipe
-from strategy_runs import RTOL, run
+from strategy_runs import RTOL, deepspeed_env, run
 
 pytestmark = pytest.mark.distributed
 
@@ -19,10 +19,8 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def ext(request, tmp_path_factory) -> dict:
-    """DeepSpeed JIT-compiles its CPU comm op once (~40 s): shared with test_strategies_deepspeed."""
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
-    return {"TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}
+    """DeepSpeed's CPU ops, built once per session and shared with every DeepSpeed test."""
+    return deepspeed_env(request, tmp_path_factory)
 
 
 def test_fsdp_sharding_each_block_with_activation_checkpointing_matches(tmp_path, corpus, one_rank):

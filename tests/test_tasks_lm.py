@@ -166,14 +166,31 @@ def test_the_synthetic_corpus_is_deterministic(tmp_path):
 # ----------------------------------------------------------------------------- Hugging Face models
 @pytest.mark.distributed
 def test_a_hugging_face_model_from_a_recipe_config_trains_under_fsdp(tmp_path, corpus):
-    """AutoModelForCausalLM.from_config (no download), each LlamaDecoderLayer an FSDP unit."""
+    """AutoModelForCausalLM.from_config (no download), each LlamaDecoderLayer an FSDP unit; with
+    `tracking.log_model` the model lands in MLflow's transformers flavour with the recipe's tokenizer
+    file (a model built from a config has no tokenizer files of its own)."""
     pytest.importorskip("transformers")
     config = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64}
     path = write_recipe(tmp_path, "hf", tiny_lm(corpus),
                         model={"name": "hf_causal_lm", "args": {"config": config}, "init": "auto"},
-                        strategy={"name": "fsdp", "wrap": ["LlamaDecoderLayer"]}, trainer={"max_steps": 4})
+                        strategy={"name": "fsdp", "wrap": ["LlamaDecoderLayer"]}, trainer={"max_steps": 4},
+                        tracking={"enabled": True, "experiment": "hf", "log_model": True})
     run_dir = run(tmp_path, path)
     out = losses(run_dir)
     assert len(out) == 4 and out[-1] < out[0]
     assert summary(run_dir)["replicas_identical"]
+
+    import mlflow.artifacts
+    import mlflow.transformers
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    [logged] = client.search_runs([client.get_experiment_by_name("hf").experiment_id])
+    assert "trainkit.log_model_error" not in logged.data.tags, logged.data.tags["trainkit.log_model_error"]
+    local = mlflow.artifacts.download_artifacts(run_id=logged.info.run_id, artifact_path="model", tracking_uri=uri,
+                                                dst_path=str(tmp_path / "logged"))
+    pipe = mlflow.transformers.load_model(local)
+    assert type(pipe).__name__ == "TextGenerationPipeline" and pipe.tokenizer is not None
+    assert pipe.tokenizer("a b")["input_ids"]  # the recipe's tokenizer, not an empty stand-in

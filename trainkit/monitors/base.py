@@ -28,21 +28,22 @@ class RunFacts:
 
     precision: str  # fp32 | bf16 | fp16
     tf32: bool  # performance.tf32: fp32 matmuls on tensor cores (the peak MFU is measured against)
-    micro_batch: int  # data.batch_size: samples per rank per micro-step
+    samples_per_replica: int  # samples one data-parallel replica takes per optimizer step (Recipe.global_batch_at(1))
     grad_accum_steps: int
     model_spec: Any  # the model block: built on the meta device to count a pipeline stage's FLOPs
     data: Any  # the data block: its input shape
     task: Any  # the run's task (runtime.protocols.Task): its FLOPs estimate
 
     def global_batch_at(self, data_parallel_size: int) -> int:
-        """Samples per optimizer step (the recipe's one formula, `Recipe.global_batch_at`)."""
-        return self.micro_batch * data_parallel_size * self.grad_accum_steps
+        """Samples per optimizer step with `data_parallel_size` replicas (`Recipe.global_batch_at`, the one
+        formula, taken at one replica)."""
+        return self.samples_per_replica * data_parallel_size
 
     @classmethod
     def of(cls, recipe, task) -> "RunFacts":
-        return cls(precision=recipe.precision, tf32=recipe.performance.tf32, micro_batch=recipe.data.batch_size,
-                   grad_accum_steps=recipe.trainer.grad_accum_steps, model_spec=recipe.model, data=recipe.data,
-                   task=task)
+        return cls(precision=recipe.precision, tf32=recipe.performance.tf32,
+                   samples_per_replica=recipe.global_batch_at(1), grad_accum_steps=recipe.trainer.grad_accum_steps,
+                   model_spec=recipe.model, data=recipe.data, task=task)
 
 
 @dataclass

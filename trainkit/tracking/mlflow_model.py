@@ -34,7 +34,7 @@ def save_pytorch_model(model: torch.nn.Module, folder: Path, example_input: torc
 def save_transformers_model(hf_dir: Path, folder: Path, tokenizer_file=None) -> Path:
     """Write the Hugging Face directory `hf_dir` (config + safetensors, as `trainkit export --hf` writes it)
     to `folder` as an MLflow transformers-flavour text-generation model; returns it. The tokenizer is the
-    directory's own, else `tokenizer_file` (a tokenizers JSON, the recipe's data.tokenizer).
+    directory's own, else `tokenizer_file` (the recipe's data.tokenizer: a tokenizers JSON or a directory).
 
     MLflow's own path form (`transformers_model="dir"`) fails on transformers 5 (its task metadata's
     `impl` is a string there), so the model is loaded once here, in the process that writes it."""
@@ -46,11 +46,13 @@ def save_transformers_model(hf_dir: Path, folder: Path, tokenizer_file=None) -> 
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # a model built from a config: the recipe's tokenizer (a file or a directory)
         if tokenizer_file is None:
             raise ValueError(f"{hf_dir} has no tokenizer files and the recipe names no tokenizer: the "
                              "transformers flavour needs one") from None
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
+        source = Path(tokenizer_file)
+        tokenizer = AutoTokenizer.from_pretrained(source) if source.is_dir() else \
+            PreTrainedTokenizerFast(tokenizer_file=str(source))
     # pinned here: MLflow otherwise infers them by loading the model again in a subprocess (~8 s)
     requirements = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:

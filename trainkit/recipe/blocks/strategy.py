@@ -81,9 +81,9 @@ class Capabilities:
         the model `setup` returns (FSDP's DTensor shards: each rank reads only its own slices).
     background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
         ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
-    effect: what a user picks the strategy for, as measured on its cells (docs/compatibility.md, "Effects":
-        recipe.compatibility.effects); "" for plain data parallelism, the reference the others are measured
-        against.
+    effect: what a user picks the strategy for (docs/compatibility.md, "Effects", lists it with the measured
+        figure where one is recorded: recipe.compatibility.effects); "" for plain data parallelism, the
+        reference the others are measured against.
     """
 
     bucketed_allreduce: bool = False

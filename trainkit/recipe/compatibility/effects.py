@@ -141,8 +141,8 @@ def section(effects: dict[str, Any]) -> list[str]:
               "", "Not measured here, and why: step-time effects (compile, channels_last, cudnn_benchmark, tf32, "
               "float8) show on GPUs; their figures, with device and command, are in docs/benchmarks.md (GPU tier) "
               "and CPU step times are noise-bound at these sizes. Offload frees *device* memory, which a CPU run "
-              "does not have. Tensor parallel's 1/tp parameters and HSDP's shard dimension are not yet recorded "
-              "here.", ""]
+              "does not have. Not yet recorded here: the pipeline's 1/stages, ZeRO-1/2's partial sharding, FSDP's "
+              "cpu_offload, tensor parallel's 1/tp parameters, HSDP's shard dimension, and FSDP on a CNN.", ""]
     return lines
 
 
