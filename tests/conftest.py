@@ -75,7 +75,8 @@ def pytest_collection_finish(session):
     import importlib.util
     import subprocess
 
-    if getattr(session.config, "cache", None) is None or importlib.util.find_spec("deepspeed") is None:
+    if getattr(session.config, "cache", None) is None or session.config.option.collectonly \
+            or importlib.util.find_spec("deepspeed") is None:
         return
     # only for a session that launches DeepSpeed (its test modules share the ops through deepspeed_env):
     # `pytest tests/test_run_ddp.py` neither builds them nor waits for a build at its end
