@@ -1,6 +1,6 @@
 """The MLflow UI, rendered by a real browser (headless Chromium), shows a trainkit run as a training run:
 the links trainkit prints open the model-training view (MLflow 3.x opens the GenAI view otherwise),
-the run's first charts are its learning curves (loss, eval metrics, learning rate), and the bottleneck
+the run's first charts are its training curves (loss, learning rate), then its evaluation metrics, and the bottleneck
 verdict with its whole advice is the run's description.
 
 One real run (one process, eval and monitors on), one `trainkit ui`, one browser, a few pages."""
@@ -108,10 +108,13 @@ def test_the_run_page_shows_the_learning_curves_first(ui, browser):
     text = browser.open(ui_link(ui["base"], route), lambda t: "lr" in t.splitlines())
     lines = text.splitlines()
     sections = [lines[i] for i in range(len(lines) - 1) if re.fullmatch(r"\(\d+\)", lines[i + 1])]
-    assert sections[:1] == ["train"] and sections[1].startswith("train/"), sections
-    first = lines[lines.index("train"):lines.index(sections[1])]
-    charts = [line for line in first if line in ("eval_accuracy", "eval_loss", "loss", "loss_max", "lr")]
-    assert charts == ["eval_accuracy", "eval_loss", "loss", "loss_max", "lr"], first
+    assert sections[:3] == ["train", "train/eval", sections[2]] and sections[2].startswith("train/"), sections
+    first = lines[lines.index("train"):lines.index("train/eval")]
+    charts = [line for line in first if line in ("accuracy", "loss", "loss_max", "lr")]
+    assert charts == ["loss", "loss_max", "lr"], first  # the training curves first
+    second = lines[lines.index("train/eval"):lines.index(sections[2])]
+    charts = [line for line in second if line in ("accuracy", "loss", "loss_max", "lr")]
+    assert charts == ["accuracy", "loss"], second  # then evaluation, named as such
 
 
 def test_the_run_description_is_the_bottleneck_verdict_with_its_whole_advice(ui, browser):
