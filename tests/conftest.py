@@ -8,10 +8,18 @@ REPO = Path(__file__).resolve().parent.parent
 TRAINKIT = [sys.executable, "-m", "trainkit.cli"]
 
 
+@pytest.fixture(scope="session")
+def _session_trainkit_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainkit-cache")
+
+
 @pytest.fixture(autouse=True)
-def _isolated_caches(tmp_path, monkeypatch):
-    """Keep compile/extension caches and temp files of every test in its own folder."""
+def _isolated_caches(tmp_path, monkeypatch, _session_trainkit_cache):
+    """Keep compile/extension caches and temp files of every test in its own folder; trainkit's own
+    cache (the memory plan's model traces, runtime/model_sizes_cache.py) is the session's, as a user's
+    is shared by their launches, and never the home folder's."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRAINKIT_CACHE_DIR", str(_session_trainkit_cache))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     yield
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..recipe.memory_plan import ModelSizes
+from . import model_sizes_cache
 from .model import factory
 from .performance import repeated_blocks
 
@@ -57,7 +58,16 @@ def _units(model: nn.Module, recipe: Any) -> list[tuple[int, str]]:
 
 
 def model_sizes(recipe: Any) -> ModelSizes:
-    """Sizes of the recipe's model (built on the meta device) and of one micro-batch's activations."""
+    """Sizes of the recipe's model (built on the meta device) and of one micro-batch's activations;
+    read back from the last trace of the same model, batch and code (`model_sizes_cache`)."""
+    batch = example_batch(recipe)
+    key = model_sizes_cache.key_parts(
+        recipe.model.model_dump(mode="json"), factory(recipe.model.name),
+        None if batch is None else (tuple(batch.shape), str(batch.dtype)), recipe_block_names(recipe))
+    return model_sizes_cache.sizes(key, lambda: _measured_sizes(recipe, batch))
+
+
+def _measured_sizes(recipe: Any, batch: Optional[torch.Tensor]) -> ModelSizes:
     model = _on_meta(recipe)
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -66,7 +76,6 @@ def model_sizes(recipe: Any) -> ModelSizes:
     units = _units(model, recipe)
     in_blocks = sum(n for n, _ in units)
     largest, name = max(units + [(parameters - in_blocks, "the rest of the model (the root unit)")])
-    batch = example_batch(recipe)
     whole, checkpointed = (None, None) if batch is None else _trace(model, blocks, batch)
     return ModelSizes(parameters=parameters, buffer_bytes=buffers, largest_unit=largest, activation_bytes=whole,
                       checkpointed_activation_bytes=checkpointed, micro_batch=recipe.data.batch_size,
