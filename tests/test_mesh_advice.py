@@ -137,7 +137,7 @@ def test_a_recipe_that_does_not_fit_gets_verified_mesh_alternatives_with_figures
 
 def test_the_doctor_lists_fsdp_x_tp_2_where_the_matrix_verifies_it(tmp_path):
     """The doctor's memory check (the same recipe on one node of 4 ranks) offers FSDP x tp 2 on the
-    verified 2-D cell; its plan gathers each rank's half of the largest unit (dp_shard 2), and tp 4's
+    verified 2-D cell; its plan gathers each rank's half of the largest unit (dp_shard 2, three copies: FSDP2), and tp 4's
     (dp_shard 1) gathers nothing."""
     from trainkit.doctor.resources import memory_verdict
     from trainkit.runtime.memory_trace import model_sizes
@@ -149,7 +149,7 @@ def test_the_doctor_lists_fsdp_x_tp_2_where_the_matrix_verifies_it(tmp_path):
     assert advice[2].changes["parallel.dp_shard"] == 2 and advice[2].changes["strategy.name"] == "fsdp"
     unit = model_sizes(recipe).largest_unit
     gathered = {p.name: p.bytes for p in advice[2].plan.parts}["gathered unit"]
-    assert gathered == 2 * (unit // 2) * 4
+    assert gathered == 3 * (unit // 2) * 4  # parameters, whole gradients, reduce-scatter input (FSDP2)
     assert "gathered unit" not in {p.name for p in advice[4].plan.parts}
 
 
@@ -166,7 +166,7 @@ def test_the_plan_of_a_tp_recipe_gathers_each_ranks_slice(tmp_path):
         return {p.name: p.bytes for p in plan(model_sizes(recipe), setting_of(recipe, "cpu")).parts}, recipe
 
     two_d, recipe = parts({"dp_shard": 2, "tp": 2}, 4)
-    assert two_d["gathered unit"] == 2 * (model_sizes(recipe).largest_unit // 2) * 4
+    assert two_d["gathered unit"] == 3 * (model_sizes(recipe).largest_unit // 2) * 4
     tp_alone, _ = parts({"dp_shard": 1, "tp": 2}, 2)
     assert "gathered unit" not in tp_alone and tp_alone["parameters"] == two_d["parameters"] * 2
 

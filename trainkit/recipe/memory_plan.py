@@ -194,7 +194,8 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         parts.append(Part("gradient buckets", bucket * stored, "device",
                           f"{bucket:,} x {stored} B (gradients copied into communication buckets)"))
     if L.gathers_units and L.parameters // s.tensor_parallel > 1:  # sharded over more than its tp group
-        parts.append(_gathered_unit(sizes.largest_unit, low or FP32, s.tensor_parallel, sizes.largest_unit_name))
+        parts.append(_gathered_unit(sizes.largest_unit, low or FP32, s.tensor_parallel, sizes.largest_unit_name,
+                                    L.unit_gradients_whole))
     if L.builds_whole_model:
         parts.append(Part("whole model at build", P * FP32, "host",
                           f"{P:,} x 4 B: every rank builds the whole model, then keeps its stage"))
@@ -212,12 +213,21 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     return MemoryPlan(s, tuple(parts))
 
 
-def _gathered_unit(largest_unit: int, unit_bytes: int, tp: int, name: str = "") -> Part:
-    """The largest unit gathered, and the next prefetched: under tensor parallel each rank gathers its
-    1/tp slice of it (FSDP shards the DTensor's local slice over dp_shard), on one dp_shard rank nothing."""
+def _gathered_unit(largest_unit: int, unit_bytes: int, tp: int, name: str = "", whole_gradients: bool = False) -> Part:
+    """The largest unit gathered, and the next prefetched; where a unit's gradients are computed whole
+    (FSDP2), also those gradients: at the end of a unit's backward a rank holds its gathered parameters,
+    their whole gradients and the next unit's prefetch, then, the parameters resharded, the gradients and
+    their reduce-scatter input -- three copies of the unit either way (measured: one unit for a 28 M
+    parameter stack costs 2.7-2.9 copies more than per-block units, tests/test_effects_transformer.py).
+    Under tensor parallel each rank gathers its 1/tp slice of it (FSDP shards the DTensor's local slice
+    over dp_shard), on one dp_shard rank nothing."""
     elements = largest_unit // tp
     slice_ = f" / tp {tp}: each rank's slice" if tp > 1 else ""
     which = f"largest unit: {name}" if name else "largest unit"
+    if whole_gradients:
+        return Part("gathered unit", 3 * elements * unit_bytes, "device",
+                    f"3 x {elements:,} x {unit_bytes} B ({which}{slice_}: its parameters, their whole gradients, "
+                    f"and the reduce-scatter input or the next unit prefetched)")
     return Part("gathered unit", 2 * elements * unit_bytes, "device",
                 f"2 x {elements:,} x {unit_bytes} B ({which}{slice_}, and the next prefetched)")
 

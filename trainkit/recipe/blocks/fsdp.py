@@ -51,7 +51,7 @@ class FSDPOptions(StrategyOptions):
         # everything sharded; each unit gathered whole for its forward and backward. cpu_offload keeps the
         # shards, their gradients and the optimizer step on the host (CPUOffloadPolicy).
         return MemoryLayout(parameters=world_size, gradients=world_size, optimizer=world_size, gathers_units=True,
-                            offload_parameters=self.cpu_offload, offload_optimizer=self.cpu_offload)
+                            unit_gradients_whole=True, offload_parameters=self.cpu_offload, offload_optimizer=self.cpu_offload)
 
     def memory_layout_on(self, dims: ParallelDims) -> MemoryLayout:
         # fully_shard on the (dp_replicate, dp_shard) mesh shards over dp_shard only; dp_replicate ranks hold

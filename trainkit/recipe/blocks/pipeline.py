@@ -79,7 +79,8 @@ class PipelineOptions(StrategyOptions):
         # tensor parallel's slice is divided by the memory plan
         split, shards = dims.pp, dims.dp_shard
         return MemoryLayout(parameters=split * shards, gradients=split * shards, optimizer=split * shards,
-                            parameters_split=split, gathers_units=shards > 1, builds_whole_model=split > 1)
+                            parameters_split=split, gathers_units=shards > 1, unit_gradients_whole=shards > 1,
+                            builds_whole_model=split > 1)
 
     def plan_lines(self, recipe: Any) -> list[str]:
         ws = recipe.world_size

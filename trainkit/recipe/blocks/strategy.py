@@ -114,6 +114,11 @@ class MemoryLayout:
     parameters / gradients / optimizer: ranks each of them is divided over (ZeRO's stages, FSDP: all).
     parameters_split: ranks holding different layers (pipeline stages), which divides activations too.
     gathers_units: a unit's whole parameters are gathered for its forward and backward (FSDP, ZeRO-3).
+    unit_gradients_whole: a unit's gradients are computed whole, then copied into a reduce-scatter
+        buffer of the same size before they are sharded (FSDP2's post-backward), so a unit's backward
+        holds its gathered parameters, their whole gradients and the reduce-scatter input or the next
+        unit's prefetched parameters at once; without it (ZeRO-3's reduce buckets) a unit's gathered
+        parameters and the next one's prefetch.
     gradient_bucket_elements: gradient elements copied into communication buckets (DDP without
         gradient_as_bucket_view: all of them; ZeRO: its reduce bucket), counted up to the model's size.
     gradient_bucket_per_unit: on GPUs the bucket is at least the model's largest unit (ZeRO-3's buffers
@@ -135,6 +140,7 @@ class MemoryLayout:
     optimizer: int = 1
     parameters_split: int = 1
     gathers_units: bool = False
+    unit_gradients_whole: bool = False
     gradient_bucket_elements: int = 0
     gradient_bucket_per_unit: bool = False
     low_precision_parameters: bool = False
