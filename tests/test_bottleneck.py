@@ -19,16 +19,28 @@ def report(tmp_path, name) -> str:
     return (tmp_path / "runs" / name / "reports" / "bottleneck.md").read_text()
 
 
-def test_slow_dataset_without_workers_is_data_bound_and_advice_names_num_workers(tmp_path):
-    recipe = mlp_recipe(tmp_path, "slowdata", data={"sleep_ms": 2.0, "num_workers": 0},
+@pytest.mark.parametrize("workers", [0, 1])
+def test_slow_dataset_is_data_bound_with_the_loaders_own_rate_and_advice_names_num_workers(tmp_path, workers):
+    """2 ms of planted work per sample: one loader process can make at most 500 samples/s, and the report's
+    measured rate of the loader alone (runtime/loader_timing.py) must say so, in the training process
+    (num_workers 0) and in a worker process (1)."""
+    recipe = mlp_recipe(tmp_path, "slowdata", data={"sleep_ms": 2.0, "num_workers": workers},
                         monitors=["breakdown"])
     result = trainkit(tmp_path, "run", str(recipe))
     assert result.returncode == 0, result.output
     text = report(tmp_path, "slowdata")
     share = int(re.search(r"\*\*data-bound\*\*: (\d+)% of each step waits for data", text).group(1))
     assert share >= 50  # 8 samples x 2 ms of sleep per step dwarfs a tiny MLP's compute
+    rate = re.search(r"^- data loader alone: ([\d,]+) samples/s per loader process .*, (the training process itself \(num_workers 0\)|1 "
+                     r"worker process\(es\)): .* consumes ([\d,]+) samples/s per rank", text, re.M)
+    assert rate, text
+    per_process, consumed = (float(rate.group(i).replace(",", "")) for i in (1, 3))
+    assert 100 < per_process <= 500 < consumed, (per_process, consumed)  # the sleep bounds it; the MLP is faster
     first = re.search(r"^1\. (.*)$", text, re.M).group(1)
-    assert first.startswith("set data.num_workers: ") and f"({share}%)" in first
+    if workers == 0:
+        assert first.startswith("set data.num_workers: ") and f"({share}%)" in first
+    else:  # one core per rank here: no more workers to add; the measured rate says what would keep up
+        assert "the loader cannot keep up" in text and "processes per rank are needed" in text, text
     assert "trainkit: bottleneck: data-bound" in result.stdout
 
 

@@ -166,7 +166,7 @@ def straggler_advice(rank: int, host: str, pre: float, typical: float, step: flo
 
 
 # --------------------------------------------------------------------------- data loading
-def data_advice(recipe, env: dict, data: float, data_share: float) -> list[Advice]:
+def data_advice(recipe, env: dict, data: float, data_share: float, rate=None) -> list[Advice]:
     """Loader settings, whenever data wait is visible (> 5% of the step)."""
     d, out = recipe.data, []
     if data_share <= 0.05:
@@ -190,11 +190,23 @@ def data_advice(recipe, env: dict, data: float, data_share: float) -> list[Advic
                               f"wins)",
                               {"data.num_workers": 1}, {"data.num_workers": 0}, DATA, seen))
     else:
-        if d.num_workers < per_rank:
-            target = min(per_rank, 16)
+        needed = rate.workers_needed() if rate is not None and rate.headroom < 1.05 else None
+        if needed is not None and needed > per_rank:
+            more = d.num_workers < per_rank  # use every core first, then the work per sample has to shrink
+            out.append(Advice(data_share * 0.6, f"the loader cannot keep up on this host's CPUs: one loader process "
+                              f"makes {rate.per_worker:,.0f} samples/s, the model alone takes {rate.consumed:,.0f} per "
+                              f"rank, so {needed} processes per rank are needed and there are {per_rank} CPU cores per "
+                              f"rank; lighten the per-sample work (smaller images stored on disk, fewer transforms) or "
+                              f"add CPU cores", {"data.num_workers": per_rank} if more else {},
+                              {"data.num_workers": d.num_workers} if more else {}, DATA, seen,
+                              action="" if more else "make each sample cheaper to load, or run on more CPU cores"))
+        elif d.num_workers < per_rank:
+            target = min(per_rank, 16) if needed is None else max(needed, d.num_workers + 1)
+            measured = "" if needed is None else (f"; one loader process makes {rate.per_worker:,.0f} samples/s and the "
+                                                  f"model alone takes {rate.consumed:,.0f}, so {needed} keep up")
             out.append(Advice(data_share * 0.6, f"{d.num_workers} worker(s) do not keep up ({data_share:.0%} of the "
                               f"step, {ms}, still waits for data); {target} load {target / d.num_workers:.1g}x as many "
-                              f"batches at once ({per_rank} CPU cores per rank here)",
+                              f"batches at once ({per_rank} CPU cores per rank here{measured})",
                               {"data.num_workers": target}, {"data.num_workers": d.num_workers}, DATA, seen))
         prefetch = d.prefetch_factor or 2
         if prefetch < 4:

@@ -26,6 +26,7 @@ from .mesh_advice import mesh_advice
 from .advice import (COMMUNICATION, COMPUTE, DATA, GPU_IDLE, OVERHEAD, Advice, comm_advice, compute_advice,
                      data_advice, straggler_advice, wall_advice)
 from .evidence import Evidence, describe_env
+from .loader_rate import LoaderRate, loader_rate
 
 __all__ = ["Advice", "Diagnosis", "diagnose", "diagnose_evidence", "diagnose_run", "describe_env"]
 
@@ -198,6 +199,11 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
     evidence += mesh.evidence
     if busy is not None:
         evidence.append(f"GPU busy {busy:.0f}% of the time (NVML utilisation, mean over ranks and samples)")
+    rate = loader_rate(_mean(ranks, "loader"), step, data, recipe.data.batch_size * recipe.trainer.grad_accum_steps,
+                       recipe.data.num_workers)
+    if rate is not None:
+        evidence.append(_loader_evidence(rate, recipe.data.num_workers))
+        facts.update(loader_samples_per_s=rate.capacity, loader_headroom=rate.headroom)
     evidence += wall_evidence
 
     if slow:
@@ -221,7 +227,7 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
             headline += (f"; GPU busy {busy:.0f}% of the time: the host does not keep it fed (kernel launches, "
                          f"small kernels)")
 
-    advice += data_advice(recipe, env, data, data_share)
+    advice += data_advice(recipe, env, data, data_share, rate)
     advice += comm_advice(recipe, env, exposed, comm_share, batch, dp)
     mesh_tips, withheld = mesh_advice(recipe, per_rank, mesh.facts, step)  # only where the matrix verifies
     advice += mesh_tips
@@ -230,6 +236,20 @@ def diagnose(per_rank: list[dict], recipe, margin: float = STRAGGLER_MARGIN, *, 
         advice += compute_advice(recipe, env, busy, batch)
         headline += _elsewhere(advice, data_share, comm_share)
     return Diagnosis(kind, headline, evidence, advice, table, wall=wall_rows, mesh=mesh.table, facts=facts)
+
+
+def _loader_evidence(rate: LoaderRate, num_workers: int) -> str:
+    """The loader's own rate per rank against what the model consumed."""
+    who = f"{rate.workers} worker process(es)" if num_workers else "the training process itself (num_workers 0)"
+    line = (f"data loader alone: {rate.per_worker:,.0f} samples/s per loader process (read, decode, transform, "
+            f"collate), {who}: up to {rate.capacity:,.0f} samples/s per rank; the model alone (the step without "
+            f"its data wait) consumes {rate.consumed:,.0f} samples/s per rank")
+    if not num_workers:
+        return line + f" (loading inside the step: each step pays for it; {rate.workers_needed()} worker process(es) " \
+                      f"would keep up)"
+    if rate.headroom < 1.05:
+        return line + f" -- the loader is the limit: {rate.workers_needed()} loader processes would keep up"
+    return line + f" -- {rate.headroom:.1f}x headroom"
 
 
 def _elsewhere(advice: list[Advice], data_share: float, comm_share: float) -> str:

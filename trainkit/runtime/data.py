@@ -23,6 +23,7 @@ from .. import registry
 from ..recipe.pickle_check import SafeUnpickler, UnsafePickle
 from ..recipe.blocks import IMAGE_EXTENSIONS, Cifar10Data, DataOptions, ImageFolderData, SyntheticData, scan_imagefolder
 from . import progress_record
+from .loader_timing import TimedDataset, timed_collate
 from .parent_watch import die_with_parent
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -225,7 +226,9 @@ def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size
         sampler = EvalSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, limit=limit)
     workers = options.num_workers
     return DataLoader(
-        dataset, batch_size=options.batch_size, sampler=sampler, num_workers=workers,
+        # training batches come with the seconds their loader process spent on them (runtime.loader_timing)
+        TimedDataset(dataset) if train else dataset, collate_fn=timed_collate if train else None,
+        batch_size=options.batch_size, sampler=sampler, num_workers=workers,
         pin_memory=pin_memory, drop_last=options.drop_last if train else False,
         prefetch_factor=options.prefetch_factor if workers else None,
         persistent_workers=options.persistent_workers and workers > 0,

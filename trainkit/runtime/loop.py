@@ -21,6 +21,7 @@ from ..recipe.schema import Recipe
 from . import memory_watch, progress_record
 from .nonfinite import NonFiniteError, NonFiniteGuard, restore_buffers, snapshot_buffers
 from .protocols import Checkpointer, MetricSink, MonitorHooks, NoMonitors, Precision, Progress, Strategy, Task
+from .loader_timing import Produced
 from .stats import RunStats
 from .timing import Clock, ForwardMarks, StepTimes
 
@@ -110,6 +111,8 @@ class Loop:
     def __post_init__(self):
         self.guard = NonFiniteGuard(self.device)
         self.interval_losses: list[torch.Tensor] = []  # this rank's step losses since the last log, on the device
+        self.loader_seconds = 0.0  # production time of the batches taken so far (runtime.loader_timing)
+        self.loader_timed = False
 
     def interval_loss(self) -> dict:
         """`loss` (mean) and `loss_max` over the steps since the previous log step, each step's loss
@@ -137,6 +140,9 @@ class Loop:
             produced = False
             for batch in self.train_loader:
                 produced = True
+                if isinstance(batch, Produced):
+                    self.loader_seconds += batch.seconds
+                    self.loader_timed, batch = True, batch.batch
                 self.state.batches_in_epoch += 1
                 self.state.samples_in_epoch += per_micro_batch
                 yield batch
@@ -156,7 +162,7 @@ class Loop:
         accum = self.recipe.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
         clock, t_start = self.clock, time.perf_counter()
-        data_wait = 0.0
+        data_wait, loader_before = 0.0, self.loader_seconds
         compute = clock.phase()  # device phases stay marks until a log interval resolves them: no sync here
         marks = self.forward_marks
         forward = clock.phase() if marks is not None else None
@@ -198,7 +204,8 @@ class Loop:
         comm = timer.take() if timer is not None and timer.bound else None  # FSDP & co.: not 0, unmeasured
         times = StepTimes(data_wait=data_wait, compute=compute, optimizer=optimizer,
                           total=time.perf_counter() - t_start, forward=forward,
-                          comm=comm.in_flight if comm else None, comm_exposed=comm.exposed if comm else None)
+                          comm=comm.in_flight if comm else None, comm_exposed=comm.exposed if comm else None,
+                          loader=self.loader_seconds - loader_before if self.loader_timed else None)
         return total, grad_norm, times
 
     @property

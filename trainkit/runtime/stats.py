@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..run_dir import WARMUP_STEPS  # the first steps of a launch: allocation, autotuning, worker start-up
 from .timing import StepTimes
 
-FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm", "comm_exposed")
+FIELDS = ("data_wait", "compute", "forward", "optimizer", "total", "comm", "comm_exposed", "loader")
 KEPT_STEPS = 100_000  # per-step values kept for the medians (7 floats a step)
 
 

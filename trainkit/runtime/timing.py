@@ -98,6 +98,7 @@ class StepTimes:
     forward: Any = None  # set when a forward hook is installed (breakdown)
     comm: Any = None  # time with a gradient collective in flight (DDP comm timer)
     comm_exposed: Any = None  # of which after the last gradient bucket was ready: what the step waits for
+    loader: Optional[float] = None  # seconds loader processes spent producing this step's batches
 
     def resolve(self) -> "StepTimes":
         """Replace lazy values by seconds (in place); returns self."""
