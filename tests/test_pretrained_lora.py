@@ -14,6 +14,7 @@ What a user relies on, measured on the files the run leaves:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,7 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
         from trainkit.runtime.chat_data import IGNORE, build_chat
 
         held_out = build_chat(SimpleNamespace(**{**block, "files": block["eval_files"], "messages_field": "messages",
-                                                 "prompt_field": "prompt", "response_field": "response"}),
+                                                 "prompt_field": "prompt", "response_field": "response", "packing": False}),
                               split="train", seed=0)
         responses = sum(int((targets != IGNORE).sum()) for _, targets in held_out)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -244,3 +245,34 @@ def test_a_full_fine_tune_under_zero2_starts_from_the_pretrained_weights(request
     print("largest distance from the pretrained weights:", max(float((trained[k] - v).abs().max())
                                                               for k, v in original.items()))
     assert not far, f"weights left the pretrained checkpoint's after one step at lr 1e-6: {dict(list(far.items())[:5])}"
+
+
+def test_packed_chat_data_is_evaluated_exactly_as_one_conversation_per_sequence(tmp_path, pretrained):
+    """`data.packing` end to end: the held-out conversations packed into rows (several per sequence) and
+    evaluated under FSDP on 2 ranks give the loss the same conversations give one per sequence under
+    DDP, token for token: the model is the pretrained checkpoint in both (SGD at lr 1e-30), so any conversation
+    that attended to its neighbour in a row would move the packed loss."""
+    def run(name: str, strategy: str, packing: bool) -> dict:
+        data = {"name": "chat", "files": [str(short)], "eval_files": [str(short)], "tokenizer": pretrained,
+                "seq_len": 64, "batch_size": 2, "packing": packing}
+        path = write_recipe(tmp_path, name, {
+            "seed": 0, "task": {"name": "causal_lm"},
+            "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained}}, "data": data,
+            "strategy": {"name": strategy}, "optimizer": {"name": "sgd", "lr": 1e-30},  # moves no fp32 weight
+            "trainer": {"max_steps": 1, "log_every": 1, "checkpoint": {"every": 1}, "eval_every": 1,
+                        "eval_steps": 50},
+            "launch": {"nproc_per_node": 2, "timeout_s": 180}, "tracking": {"enabled": False}})
+        result = trainkit(tmp_path, "run", str(path))
+        assert result.returncode == 0, result.output[-4000:]
+        rows = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        sequences = int(re.search(r"data ready: (\d+) training samples", result.stdout).group(1))
+        return {**[r for r in rows if "eval_tokens" in r][-1], "sequences": sequences}
+
+    words = ["alpha", "beta", "gamma", "delta", "omega", "tensor"]
+    short = tmp_path / "short.jsonl"  # ~15 tokens a conversation: three or four to a row of 64
+    short.write_text("".join(json.dumps({"prompt": f"{words[i % 6]} {words[(i * 5) % 6]}", "response": words[(i * 7) % 6]})
+                             + "\n" for i in range(12)))
+    packed, padded = run("packed", "fsdp", True), run("padded", "ddp", False)
+    assert packed["eval_tokens"] == padded["eval_tokens"] > 0
+    assert padded["sequences"] == 12 and packed["sequences"] <= 4, (packed, padded)  # the run did pack
+    assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-5), (packed, padded)

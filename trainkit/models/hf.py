@@ -14,10 +14,12 @@ model family (`tensor_parallel_plan`). Needs the optional extra: `pip install 't
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
+
+from .inputs import TokensWithPositions
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -72,7 +74,11 @@ class HFCausalLM(nn.Module):
     def max_seq_len(self) -> Optional[int]:
         return max_positions(self.model.config.to_dict())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: Union[torch.Tensor, TokensWithPositions]) -> torch.Tensor:
+        """Logits of token ids [B, T]; of packed sequences (`data.packing`), whose position ids restart at
+        each sample: transformers makes its causal mask block-causal there (runtime.packed_sequences)."""
+        if isinstance(tokens, TokensWithPositions):
+            return self.model(input_ids=tokens.tokens, position_ids=tokens.position_ids, use_cache=False).logits
         return self.model(input_ids=tokens, use_cache=False).logits
 
     def tensor_parallel_plan(self, *, loss_parallel: bool = False) -> dict[str, ParallelStyle]:

@@ -26,6 +26,10 @@ class ModelFacts:
     # else why not and what to use
     not_seedable = ""
     positions_key = "args"  # the model.args key that sets the longest sequence (for messages)
+    # "" when the model takes TokensWithPositions (token ids with position ids that restart at each packed
+    # sample) and keeps the samples apart (runtime.packed_sequences); else why not, for `data.packing`
+    packing_refusal = ("it takes token ids only, so samples packed into one sequence would attend to each "
+                       "other; use a Hugging Face model (hf_causal_lm), or data.packing: false")
 
     def max_positions(self, args: dict) -> Optional[int]:
         """The longest sequence the model is built for, when its args say it (validate; no imports)."""
@@ -83,6 +87,9 @@ class TransformerFacts(ModelFacts):
     """trainkit.models.transformer: an nn.Sequential of blocks (the pipeline splits at layers.N)."""
 
     positions_key = "seq_len"
+    packing_refusal = ("its attention is causal over the whole sequence (no document mask), so samples packed into "
+                       "one sequence would attend to each other; use a Hugging Face model (hf_causal_lm), or "
+                       "data.packing: false")
 
     def max_positions(self, args: dict) -> Optional[int]:
         return args.get("seq_len", 512)
@@ -135,6 +142,7 @@ class HFCausalLMFacts(ModelFacts):
                     "(e.g. LlamaRMSNorm) have no reset_parameters() for seeded init to run; use model.init: "
                     "constructor (or auto)")
     positions_key = "config"
+    packing_refusal = ""  # position ids reach transformers' mask (block-causal at each restart) and rotary tables
 
     def loads_pretrained(self, args: dict) -> bool:
         return bool(args.get("pretrained"))

@@ -9,9 +9,9 @@ target IGNORE. This assumes the template renders a conversation's prefix as a pr
 which templates that render turns independently (Llama, Qwen, Mistral, ChatML) do; a conversation
 where it does not hold is refused with its line number rather than masked wrongly.
 
-No packing: each conversation is its own sequence, truncated to seq_len or padded up to it, so no
-sample attends to another and position ids start at 0 for each (packing with document masking needs
-a varlen attention kernel; not built yet).
+Each conversation is its own sequence, truncated to seq_len or padded up to it; with `packing: true`
+several share a sequence, with position ids that restart at each, which Hugging Face models honour as
+boundaries (runtime.packed_sequences): no sample attends to another either way.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import Dataset
 
-IGNORE = -100  # the causal_lm task's default ignore_index: targets that do not count
+from ..models.inputs import TokensWithPositions
+from .packed_sequences import IGNORE, pack, shifted  # IGNORE: the causal_lm task's default ignore_index
 
 
 class ChatDataError(ValueError):
@@ -114,12 +115,27 @@ class ChatSequences(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, counted = self.items[int(i)]
         T = self.seq_len
-        ids, counted = ids[:T + 1], counted[:T + 1]
-        inputs = ids[:-1][:T]
-        targets = [t if c else IGNORE for t, c in zip(ids[1:], counted[1:])]
+        inputs, targets = shifted(ids, counted, T)
         pad = T - len(inputs)
         return (torch.tensor(inputs + [self.pad_id] * pad, dtype=torch.long),
-                torch.tensor(targets + [IGNORE] * (T - len(targets)), dtype=torch.long))
+                torch.tensor(targets + [IGNORE] * pad, dtype=torch.long))
+
+
+class PackedChatSequences(Dataset):
+    """Sample i: (TokensWithPositions(input ids [T], position ids [T]), targets [T]): row i of the conversations
+    packed whole into rows of T = seq_len (runtime.packed_sequences)."""
+
+    def __init__(self, rendered: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
+        self.rows = pack(rendered, seq_len, pad_id)
+        self.conversations = len(rendered)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[TokensWithPositions, torch.Tensor]:
+        inputs, targets, positions = self.rows[int(i)]
+        return (TokensWithPositions(torch.tensor(inputs, dtype=torch.long), torch.tensor(positions, dtype=torch.long)),
+                torch.tensor(targets, dtype=torch.long))
 
 
 def build_chat(options: Any, *, split: str, seed: int) -> Optional[Dataset]:
@@ -132,7 +148,7 @@ def build_chat(options: Any, *, split: str, seed: int) -> Optional[Dataset]:
         raise ChatDataError(f"{', '.join(files)}: no assistant token within the first seq_len {options.seq_len} "
                             "tokens of any conversation: nothing to learn")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    return ChatSequences(rendered, options.seq_len, pad)
+    return (PackedChatSequences if options.packing else ChatSequences)(rendered, options.seq_len, pad)
 
 
 def preflight_chat(r) -> Iterator[tuple[tuple, str, str]]:

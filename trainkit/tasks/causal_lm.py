@@ -72,7 +72,8 @@ class CausalLMTask:
         """The constructor keywords taken from the resolved recipe beyond the task's own block."""
         return {"model_spec": recipe.model, "data": recipe.data}
 
-    def to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_device(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """(token ids, or TokensWithPositions with their position ids; targets) on the device."""
         x, y = batch[0], batch[1]
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 

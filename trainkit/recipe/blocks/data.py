@@ -236,8 +236,9 @@ class TextData(DataOptions):
 class ChatData(DataOptions):
     """Chat or instruction JSONL for supervised fine-tuning: a `messages` list ({role, content}) rendered
     with the tokenizer's own chat template, or `prompt`/`response` fields (one user turn, one assistant
-    turn). The loss counts the assistant's tokens only; every sample is its own sequence (truncated to,
-    or padded up to, seq_len: no packing, so no sample ever attends to another)."""
+    turn). The loss counts the assistant's tokens only. Each sample is its own sequence (truncated to, or
+    padded up to, seq_len), or with `packing` several share one, kept apart by position ids that restart
+    at each (runtime.packed_sequences): no sample ever attends to another."""
 
     component: ClassVar[str] = "trainkit.runtime.chat_data:build_chat"
     name: Literal["chat"]
@@ -251,6 +252,10 @@ class ChatData(DataOptions):
     messages_field: str = Field(default="messages", description="the JSONL field holding the conversation")
     prompt_field: str = Field(default="prompt", description="without messages: the user's turn")
     response_field: str = Field(default="response", description="without messages: the assistant's turn")
+    packing: bool = Field(default=False, description="put whole conversations into each seq_len sequence, position "
+                                                     "ids restarting at each (no sample attends to another), "
+                                                     "instead of one padded conversation per sequence: fewer "
+                                                     "padding positions, more conversations per step")
 
     batches: ClassVar[str] = "tokens"
 
@@ -261,3 +266,22 @@ class ChatData(DataOptions):
         if self.batches not in recipe.task.accepts:
             yield ("data", "name"), (f"chat data yields token sequences, so it cannot train task {recipe.task.name}; "
                                      "set task: {name: causal_lm}")
+        if self.packing:
+            yield from packing_refusals(recipe)
+
+
+def packing_refusals(recipe: Any) -> Iterator[Finding]:
+    """Where packed sequences (TokensWithPositions: token ids with restarting position ids) cannot be kept apart."""
+    from ..model_facts import facts_for
+
+    why = facts_for(recipe.model.name).packing_refusal
+    if why:
+        yield ("data", "packing"), f"data.packing with model {recipe.model.name} is refused: {why}"
+    if recipe.strategy.capabilities().splits_model:
+        yield ("data", "packing"), (f"data.packing with strategy {recipe.strategy.name} is refused: its stages pass "
+                                    "one activation tensor on, so the position ids that keep packed samples apart "
+                                    "do not reach the later stages; set data.packing: false")
+    if recipe.parallel is not None and isinstance(recipe.parallel.tp, int) and recipe.parallel.tp > 1:
+        yield ("data", "packing"), ("data.packing with tensor parallel is refused: not verified (the position ids "
+                                    "would have to reach every tp rank's attention alike); set data.packing: false, "
+                                    "or parallel.tp: 1")
