@@ -154,7 +154,8 @@ def make_loop(tmp_path: Path, *, strategy=None, state=None, eval_loader=None, st
     torch.manual_seed(0)
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    return Loop(recipe=recipe, model=model, optimizer=optimizer,
+    return Loop(trainer=recipe.trainer, run_name=recipe.name, replica_batch=recipe.global_batch_at(1), model=model,
+                optimizer=optimizer,
                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
                 strategy=strategy or FakeStrategy(), precision=FakePrecision(), task=FakeTask(),
                 train_loader=loader(), eval_loader=eval_loader, checkpointer=FakeCheckpointer(),

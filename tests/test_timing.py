@@ -74,7 +74,7 @@ def fake_loop(cuda: FakeCuda, accum: int = 2) -> Loop:
     clock = Clock(torch.device("cpu"), precise=True, source=DeviceEvents(cuda))
     model = nn.Linear(4, 2)
     trainer = SimpleNamespace(grad_accum_steps=accum, on_nonfinite="stop", grad_clip=None)
-    return Loop(recipe=SimpleNamespace(trainer=trainer), model=model, optimizer=None,
+    return Loop(trainer=trainer, run_name="timing", replica_batch=1, model=model, optimizer=None,
                 scheduler=SimpleNamespace(step=lambda: None),
                 strategy=FakeStrategy(CommTimer(DeviceEvents(cuda))), precision=SimpleNamespace(scaler=None),
                 task=SimpleNamespace(to_device=lambda b: b, loss_fn=None), train_loader=None, eval_loader=None,

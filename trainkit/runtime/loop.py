@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from ..recipe.blocks import TrainerOptions
 from ..recipe.schema import Recipe
 from . import memory_watch, progress_record
 from .nonfinite import NonFiniteError, NonFiniteGuard, restore_buffers, snapshot_buffers
@@ -84,7 +85,13 @@ def restore_trainer_state(saved: dict, scheduler, precision: Precision) -> Train
 
 @dataclass(kw_only=True)
 class Loop:
-    recipe: Recipe
+    """The training loop of one rank. It receives what it uses: the trainer block (steps, accumulation,
+    logging, evaluation and checkpoint intervals, non-finite handling), the run's name and one replica's
+    samples per step, not the whole recipe."""
+
+    trainer: TrainerOptions
+    run_name: str
+    replica_batch: int  # samples per optimizer step of one data-parallel replica: Recipe.global_batch_at(1)
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -159,7 +166,7 @@ class Loop:
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, data: Iterator) -> tuple[torch.Tensor, Optional[torch.Tensor], StepTimes]:
-        accum = self.recipe.trainer.grad_accum_steps
+        accum = self.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
         clock, t_start = self.clock, time.perf_counter()
         data_wait, loader_before = 0.0, self.loader_seconds
@@ -168,7 +175,7 @@ class Loop:
         forward = clock.phase() if marks is not None else None
         # skip_step must be able to undo the forward's side effects: BatchNorm running statistics of a
         # discarded step would otherwise keep its inf/NaN and reach every later checkpoint
-        buffers_before = snapshot_buffers(self.model) if self.recipe.trainer.on_nonfinite == "skip_step" else []
+        buffers_before = snapshot_buffers(self.model) if self.trainer.on_nonfinite == "skip_step" else []
         step = self.state.step + 1
         for micro in range(accum):
             t0 = time.perf_counter()
@@ -188,7 +195,7 @@ class Loop:
         o0 = clock.mark()
         progress_record.phase(step, "optimizer")
         self.skipped = False
-        if self.recipe.trainer.on_nonfinite == "skip_step" and not self.guard.step_is_finite(
+        if self.trainer.on_nonfinite == "skip_step" and not self.guard.step_is_finite(
                 self.strategy, total, self.model.parameters(), device=self.device,
                 check_grads=self.precision.scaler is None, buffers=self.model.buffers()):
             self.optimizer.zero_grad(set_to_none=True)  # discard the step: no update
@@ -196,7 +203,7 @@ class Loop:
             grad_norm, self.skipped = None, True
         else:
             grad_norm = self.strategy.optimizer_step(self.model, self.optimizer, self.precision,
-                                                     self.recipe.trainer.grad_clip)
+                                                     self.trainer.grad_clip)
         self.scheduler.step()  # the schedule follows the step count, skipped steps included
         optimizer = clock.phase()
         optimizer.add(o0, clock.mark())
@@ -210,7 +217,7 @@ class Loop:
 
     @property
     def global_batch(self) -> int:
-        return global_batch(self.recipe, self.strategy.data_parallel_size)
+        return self.replica_batch * self.strategy.data_parallel_size
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -228,7 +235,7 @@ class Loop:
     # ------------------------------------------------------------------ non-finite values
     def _count_skip(self, step: int) -> None:
         self.state.skipped_steps += 1
-        limit = self.recipe.trainer.max_skipped_steps
+        limit = self.trainer.max_skipped_steps
         if self.strategy.rank == 0:
             print(f"trainkit: warning: step {step}: non-finite loss or gradient; optimizer step skipped "
                   f"({self.state.skipped_steps} of at most {limit})", flush=True)
@@ -262,7 +269,7 @@ class Loop:
                 "scaler": self.precision.state_dict()}
 
     def run(self) -> dict:
-        t = self.recipe.trainer
+        t = self.trainer
         global_batch = self.global_batch
         start_step, t0 = self.state.step, time.perf_counter()
         last_ckpt: Optional[Path] = None
@@ -358,7 +365,7 @@ class Loop:
                       .item())
         done = self.state.step - start_step
         return {
-            "name": self.recipe.name, "steps": self.state.step, "steps_this_launch": done,
+            "name": self.run_name, "steps": self.state.step, "steps_this_launch": done,
             "final_loss": metrics.get("loss"),
             "eval": {k: v for k, v in metrics.items() if k.startswith("eval_")},
             "samples_per_s": done * global_batch / elapsed if elapsed > 0 and done else 0.0,

@@ -179,7 +179,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         scheduler = accepted_changes.apply_to_optimizer(saved_recipe(source), recipe_data, recipe, optimizer,
                                                         scheduler, state.step)
     progress, sinks = _rank0_sinks(run_dir, recipe, state.step, strategy.data_parallel_size) if rank == 0 else (None, [])
-    loop = Loop(recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler, strategy=strategy,
+    loop = Loop(trainer=recipe.trainer, run_name=recipe.name, replica_batch=recipe.global_batch_at(1), model=model,
+                optimizer=optimizer, scheduler=scheduler, strategy=strategy,
                 precision=precision, task=task, train_loader=train_loader,
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
                 sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
