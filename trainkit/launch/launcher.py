@@ -355,14 +355,14 @@ def _free_port() -> int:
 def _run_in_process(run_dir: Path, launch_dir: Path, redact=str, delivering: bool = False) -> tuple[int, str]:
     """World size 1: the worker's own code, in this process, under the same env contract as torchrun;
     its intra-op threads leave the delivery thread (when `delivering`) a core (`runtime.threads`)."""
-    from ..runtime import threads, worker  # torch: imported where the work is
+    from ..runtime import stop_signals, threads, worker  # torch: imported where the work is
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
     try:
         with environment_set(env), threads.sharing_the_launcher_process(delivering):
             return worker.main([str(run_dir)]), ""
-    except worker.StopRequested as stop:
+    except stop_signals.StopRequested as stop:
         return _stopped(stop.signum, run_dir, launch_dir)
     except Exception as exc:
         reason = redact(f"training failed: {type(exc).__name__}: {exc}{oom.in_process_note(run_dir)}")

@@ -1,4 +1,5 @@
-"""Rank-0 progress: a live one-line bar on a terminal, plain periodic lines otherwise."""
+"""Rank-0 progress: the start-up phases as they happen, then a live one-line bar on a terminal, plain
+periodic lines otherwise."""
 
 from __future__ import annotations
 
@@ -65,3 +66,26 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class StartupPhases:
+    """Rank 0 says what it is doing between the launcher's tracking line and the first step (workers
+    up, model built, data ready, first step), with the seconds since the process started: the 15-20
+    s a new user otherwise waits in silence."""
+
+    def __init__(self, talk: bool, started: float):
+        self.talk, self.started = talk, started
+
+    def say(self, what: str) -> None:
+        if self.talk:
+            print(f"trainkit: {what} ({time.time() - self.started:.1f} s)", flush=True)
+
+
+def process_start() -> float:
+    """When this process started (time.time()): start-up is measured from here to the first step."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return time.time()

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
@@ -36,7 +34,7 @@ from ..recipe.schema import Recipe
 from ..run_dir import ADAPTER, CHECKPOINTS, METRICS, RECIPE
 from ..tracking.run import MlflowSink
 from .accelerator import accelerator_for
-from . import accepted_changes, error_file, fatal, memory_watch, progress_record, resume
+from . import accepted_changes, error_file, fatal, memory_watch, progress_record, resume, stop_signals
 from .components import build_strategy, build_task
 from .checkpoint import Checkpointer, DiskFullError, saved_recipe
 from .data import build_datasets, make_loader
@@ -53,34 +51,12 @@ from .warnings_once import show_each_warning_once
 from .performance import float8_linears, prepare_model, set_backend_flags
 from .precision import Precision
 from .process_group import init_process_group
-from .progress import Progress
+from .progress import Progress, StartupPhases, process_start
 from .reports import write_reports, write_summary
 from .timing import Clock, CommTimer, ForwardMarks
 
 
 STOP_SAVE_WAIT_S = 20.0  # on a stop, how long a background checkpoint write may take to finish
-
-
-class StopRequested(KeyboardInterrupt):
-    """SIGTERM/SIGINT arrived: unwind (discarding a half-written checkpoint) and exit non-zero."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _on_signal(signum, frame):
-    raise StopRequested(signum)
-
-
-def _finish_failure_report() -> None:
-    """A failing rank finishes its report before anything else: the agent stops the other ranks as soon
-    as one fails, and its SIGTERM arriving while this rank reports its own failure (its collective
-    broke when the first rank died) would raise StopRequested inside the report. Python then printed
-    both tracebacks on the user's console instead of the rank's one line (seen once in the suite:
-    tests/test_run_ddp.py, exhausted restarts). The handlers are restored on the way out."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
 
 
 def seed_everything(seed: int) -> None:
@@ -94,29 +70,6 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-class StartupPhases:
-    """Rank 0 says what it is doing between the launcher's tracking line and the first step (workers
-    up, model built, data ready, first step), with the seconds since the process started: the 15-20
-    s a new user otherwise waits in silence."""
-
-    def __init__(self, talk: bool, started: float):
-        self.talk, self.started = talk, started
-
-    def say(self, what: str) -> None:
-        if self.talk:
-            print(f"trainkit: {what} ({time.time() - self.started:.1f} s)", flush=True)
-
-
-def _process_start() -> float:
-    """When this process started (time.time()): start-up is measured from here to the first step."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return time.time()
-
-
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
     """Build the components from the recipe and run the loop; returns the summary (rank 0 meaningful).
     `recipe_data` is the resolved recipe with secrets redacted: what checkpoints record for drift checks."""
@@ -128,7 +81,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                           scaler=not recipe.strategy.capabilities().owns_loss_scaling)  # DeepSpeed scales the loss itself
     dims = recipe.parallel_dims(dist.get_world_size())
     strategy = build_strategy(recipe, device=device, precision=precision, dims=dims, mesh=build_mesh(dims, device.type))
-    phases = StartupPhases(rank == 0, _process_start())
+    phases = StartupPhases(rank == 0, process_start())
     phases.say(f"workers up: {dist.get_world_size()} rank(s) in the process group")
     model, init = build_initial_model(recipe.model, strategy, seed, announce=rank == 0)
     if recipe.performance.float8:
@@ -184,7 +137,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                 precision=precision, task=task, train_loader=train_loader,
                 eval_loader=eval_loader, checkpointer=checkpointer, device=device, clock=clock, state=state,
                 sinks=sinks, progress=progress, monitors=monitors, forward_marks=forward_marks,
-                last_checkpoint=source, process_start=_process_start())
+                last_checkpoint=source, process_start=process_start())
     phases.say("first step" + (" (compiling: the first steps take longer)" if recipe.performance.compile_options
                                else ""))
     summary = _run_loop(loop, run_dir, monitors, checkpointer, [sink for sink in sinks if sink is not progress])
@@ -241,7 +194,7 @@ def _run_loop(loop: Loop, run_dir: Path, monitors, checkpointer: Checkpointer, s
         monitors.call("on_exception", exc)
         raise
     except BaseException as exc:
-        if isinstance(exc, StopRequested):  # torchrun's grace before SIGKILL is 30 s
+        if isinstance(exc, stop_signals.StopRequested):  # torchrun's grace before SIGKILL is 30 s
             progress_record.stopping()  # the bounded wait below is not a hang
             checkpointer.finish_on_stop(STOP_SAVE_WAIT_S)
         monitors.call("on_exception", exc)
@@ -280,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = accelerator.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = stop_signals.raise_on_stop()
     init_process_group(accelerator.backend, timeout=timedelta(seconds=recipe.launch.timeout_s))
     try:
         memory_watch.start(run_dir, dist.get_rank(), device)  # phase and peak, for an out-of-memory report
@@ -296,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(console, flush=True)
         dist.barrier()  # then destroy: gloo may abort at exit otherwise
     except Exception as exc:
-        _finish_failure_report()
+        stop_signals.finish_failure_report_first()
         progress_record.failed()  # its exit is a failure, not a hang
         if memory_watch.is_out_of_memory(exc):  # deterministic: the marker stops restarts repeating it
             exc = memory_watch.explained(exc)
@@ -304,7 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif fatal.is_collective_desync(exc):  # the same step desyncs again after a restart
             fatal.record(run_dir, exc)
         error_file.report_and_exit(exc, resolved.redact_text)
-    except StopRequested as stop:
+    except stop_signals.StopRequested as stop:
         print(f"trainkit: rank {dist.get_rank()} stopping on {stop}", file=sys.stderr, flush=True)
         if argv is None:
             dist.destroy_process_group()
@@ -316,8 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        stop_signals.restore(previous)
     return 0
 
 
