@@ -11,6 +11,7 @@ life (build, steps, a checkpoint, the end-of-run checks) above its baseline befo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +196,52 @@ def test_fsdp_shards_a_cnns_state_against_ddp(tmp_path, resnet_under_ddp):
     assert saved > 2 * params, (
         f"FSDP saved {saved // MiB} MiB per rank against DDP on ResNet-18 (ddp {resnet_under_ddp}, fsdp {fsdp}); "
         f"sharding the state over 2 ranks should save more than half a copy of the parameters, {2 * params // MiB} MiB")
+
+
+def test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_per_rank(tmp_path, corpus):
+    """LoRA on a pretrained transformers Llama (27.7 M parameters, 106 MiB in fp32) under FSDP, 2 ranks:
+    with `model.init: auto` the model is built on the meta device and each rank allocates only its shards
+    (runtime/pretrained.py), where the factory's own build (`model.init: constructor`) makes the whole fp32
+    model on every rank first. Measured where the build ends (the model built and sharded, before the
+    read: tests/pretrained_build_probe.py under torchrun), rank 0's high-water mark must be lower by more
+    than a quarter of the model. The read that follows maps the safetensors file (clean page-cache pages,
+    counted in RSS while mapped) the same way in both: docs/models.md states it."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from run_helpers import env_for
+
+    config = {**HF_LLAMA["config"], "hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8}
+    params = 2 * 2048 * 512 + 8 * (4 * 512 * 512 + 3 * 512 * 1408 + 2 * 512) + 512
+    folder = tmp_path / "pretrained"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).save_pretrained(folder)
+    model = {"pretrained": str(folder), "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}
+    data = {"seq_len": 64, "batch_size": 1}
+
+    def build(name: str, init: str) -> dict:
+        path = transformer_recipe(tmp_path, name, corpus, model=model, data=data, family="hf_causal_lm",
+                                  strategy={"name": "fsdp"})
+        path.write_text(path.read_text().replace("init: constructor", f"init: {init}"))
+        probe = Path(__file__).with_name("pretrained_build_probe.py")
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(probe), str(path)], cwd=tmp_path, env=env_for(tmp_path), capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    whole, sharded = build("built-whole", "constructor"), build("built-sharded", "auto")
+    assert (whole["init"], sharded["init"]) == ("constructor", "seeded")
+    reference, chosen = [whole["built"] - whole["started"]], [sharded["built"] - sharded["started"]]
+    saved = reference[0] - chosen[0]
+    print(f"pretrained llama + lora under fsdp, rank 0 at the end of the build: whole {reference[0] // MiB} MiB, "
+          f"as shards {chosen[0] // MiB} MiB above its start; after the read {whole['read'] // MiB} / "
+          f"{sharded['read'] // MiB} MiB; the model {4 * params // MiB} MiB")
+    record_effect("pretrained-build/hf-llama", reference=reference, chosen=chosen, predicted_saving=None,
+                  holds=saved > params, criterion=f"saves > a quarter of the model's fp32 size, {params // MiB} MiB")
+    assert saved > params, (
+        f"building on the meta device saved {saved // MiB} MiB on rank 0 (whole {whole}, as shards {sharded}); the "
+        f"whole fp32 model is {4 * params // MiB} MiB")

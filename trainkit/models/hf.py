@@ -43,6 +43,17 @@ class HFCausalLM(nn.Module):
         """This module's state-dict name as the pretrained safetensors call it (`checkpoint_name`)."""
         return checkpoint_name(parameter_name)
 
+    def after_seeded_init(self) -> None:
+        """Built on the meta device and given seeded values (a pretrained directory under FSDP:
+        runtime.materialize), LoRA's B matrices got their Linear's draw; PEFT starts them at zero, so
+        the adapted model starts as the checkpoint. A's draw is PEFT's own (kaiming-uniform, a=sqrt(5))."""
+        for module in self.modules():
+            adapters = getattr(module, "lora_B", None)
+            if isinstance(adapters, nn.ModuleDict):
+                with torch.no_grad():
+                    for linear in adapters.values():
+                        linear.weight.zero_()
+
     def save_adapter(self, directory: str, state_dict: dict) -> bool:
         """Write the LoRA adapter directory (PEFT's `save_pretrained`: adapter_config.json and
         adapter_model.safetensors) from a full state dict of this module; False without adapters."""

@@ -67,11 +67,24 @@ def owners(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def unseedable(model: nn.Module) -> list[str]:
-    """Parameters no reset_parameters() gives a value: `module.param (ModuleClass)`."""
-    return [f"{name + '.' if name else ''}{p} ({type(module).__name__})" for name, module in owners(model)
+def parameter_name(module_name: str, pname: str) -> str:
+    return f"{module_name + '.' if module_name else ''}{pname}"
+
+
+def unseedable(model: nn.Module, filled: frozenset = frozenset()) -> list[str]:
+    """Parameters no reset_parameters() gives a value, except those `filled` (by name) from a pretrained
+    directory after set-up: `module.param (ModuleClass)`."""
+    return [f"{parameter_name(name, p)} ({type(module).__name__})" for name, module in owners(model)
             if not callable(getattr(module, "reset_parameters", None))
-            for p, value in module._parameters.items() if value is not None]
+            for p, value in module._parameters.items() if value is not None and parameter_name(name, p) not in filled]
+
+
+def after_seeded_init(model: nn.Module) -> None:
+    """The model's own correction of the seeded values, if it has one: e.g. LoRA's B matrices start at
+    zero, where their Linear's reset_parameters() draws (models.hf `after_seeded_init`)."""
+    hook = getattr(model, "after_seeded_init", None)
+    if callable(hook):
+        hook()
 
 
 def seed_for(seed: int, module_name: str) -> int:
@@ -103,8 +116,8 @@ def _init_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else dtype
 
 
-def check_seedable(model: nn.Module) -> None:
-    missing = unseedable(model)
+def check_seedable(model: nn.Module, filled: frozenset = frozenset()) -> None:
+    missing = unseedable(model, filled)
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise CannotSeed(f"model.init: seeded gives each parameter its layer's reset_parameters() value, and "
@@ -112,12 +125,20 @@ def check_seedable(model: nn.Module) -> None:
                          f"builds the whole model before sharding)")
 
 
-def materialize(model: nn.Module, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+def materialize(model: nn.Module, seed: int, device: torch.device | str = "cpu",
+                filled: frozenset = frozenset()) -> nn.Module:
     """The whole model on `device`, each parameter from (seed, its module's name): for strategies
-    that keep every parameter on every rank (DDP, pipeline stages before the split, ZeRO-1/2)."""
-    check_seedable(model)
+    that keep every parameter on every rank (DDP, pipeline stages before the split, ZeRO-1/2). The
+    parameters `filled` from a pretrained directory later are only allocated."""
+    check_seedable(model, filled)
     for name, module in owners(model):
-        for pname, value in seeded_values(module, name, seed).items():
-            old = module._parameters[pname]
-            module._parameters[pname] = nn.Parameter(value.to(device, old.dtype), requires_grad=old.requires_grad)
+        skip = {p for p in module._parameters if parameter_name(name, p) in filled}
+        values = {} if skip >= {p for p, v in module._parameters.items() if v is not None} else \
+            seeded_values(module, name, seed)
+        for pname, old in list(module._parameters.items()):
+            if old is None:
+                continue
+            value = torch.empty(old.shape, dtype=old.dtype) if pname in skip else values[pname].to(old.dtype)
+            module._parameters[pname] = nn.Parameter(value.to(device), requires_grad=old.requires_grad)
+    after_seeded_init(model)
     return model

@@ -18,6 +18,7 @@ from .. import registry
 from ..recipe import imports
 from ..recipe.blocks import ModelSpec
 from .materialize import unseedable
+from .pretrained import filled_by_pretrained
 
 
 class NotAModelFactory(TypeError):
@@ -93,10 +94,12 @@ def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = F
         return build_model(spec), "constructor"
     with strategy.empty_init():
         model = build_model(spec)
-    missing = unseedable(model)
+    # a pretrained directory's parameters are read after set-up: they need no value now (runtime.pretrained)
+    filled = filled_by_pretrained(model) if not strategy.capabilities.pretrained_before_setup else frozenset()
+    missing = unseedable(model, filled)
     if missing and spec.init == "auto":
         if announce:
             print(f"trainkit: note: model.init auto: {missing[0]} has no reset_parameters(), so the factory's own "
                   f"init is used (every rank builds the whole model before it is sharded)", flush=True)
         return build_model(spec), "constructor"
-    return strategy.materialize(model, seed), "seeded"  # refuses (CannotSeed) what cannot be seeded
+    return strategy.materialize(model, seed, filled), "seeded"  # refuses (CannotSeed) what cannot be seeded

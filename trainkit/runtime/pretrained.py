@@ -9,9 +9,11 @@ converting the dtype (a bf16 checkpoint into fp32 parameters). Never `torch.load
 code. What the files do not hold stays as built: LoRA adapters (their B matrices are zero, so the model
 starts as the checkpoint) and an output head tied to the embedding.
 
-Limit: the model is built by its factory before this (under FSDP an HF model is built whole on each rank,
-then sharded, then read), so building -- not reading -- holds one randomly initialised copy per rank
-for a moment; docs/models.md says so.
+Under a strategy that shards parameters (FSDP, HSDP, FSDP x TP) the model is built on the meta device
+(`model.init: auto`): the checkpoint's parameters are only allocated as each rank's shards, the others
+(LoRA adapters, a head tied to the embedding) get seeded values (runtime.materialize), and this read
+fills the rest, so no rank ever holds a whole copy. Under DDP and ZeRO-1/2 each rank holds the whole
+model anyway and builds it with its factory.
 """
 
 from __future__ import annotations
@@ -31,6 +33,20 @@ def checkpoint_tensor_names(directory: Path) -> set[str]:
         with safe_open(str(file), framework="pt") as f:
             names.update(f.keys())
     return names
+
+
+def filled_by_pretrained(model: nn.Module) -> frozenset:
+    """The parameters (by owning module and name, as runtime.materialize names them) that the model's
+    pretrained directory holds: read after set-up, so a model built on the meta device need not give
+    them values first. Empty for a model without a pretrained directory."""
+    directory = getattr(model, "pretrained_dir", None)
+    if not directory:
+        return frozenset()
+    from .materialize import owners, parameter_name
+
+    present = checkpoint_tensor_names(Path(directory))
+    return frozenset(parameter_name(name, p) for name, module in owners(model) for p, v in module._parameters.items()
+                     if v is not None and model.pretrained_name(parameter_name(name, p)) in present)
 
 
 def load_pretrained(module: nn.Module, directory: str, to_checkpoint_name: Callable[[str], str]) -> list[str]:

@@ -138,11 +138,12 @@ class Strategy:
         """Where a seeded model is built: parameters on the meta device, no memory."""
         return parameters_on_meta()
 
-    def materialize(self, model: nn.Module, seed: int) -> nn.Module:
+    def materialize(self, model: nn.Module, seed: int, filled: frozenset = frozenset()) -> nn.Module:
         """Give a model built in `empty_init` its values before `setup`. Plain strategies keep every
         parameter, so the whole model is filled here (on the CPU; `setup` moves it as usual);
-        sharding strategies fill only their shards, after sharding, and override this."""
-        return materialize(model, seed)
+        sharding strategies fill only their shards, after sharding, and override this. The parameters
+        named in `filled` are read from a pretrained directory later (runtime.pretrained): only allocated."""
+        return materialize(model, seed, filled=filled)
 
     def setup(self, model: nn.Module, optimizer_factory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the model for this strategy and build the optimizer over the wrapped parameters."""

@@ -165,11 +165,14 @@ class DeepSpeedStrategy(Strategy):
         announce_build()  # zero.Init starts DeepSpeed's comm: its CPU op may be compiled first
         return deepspeed.zero.Init(config_dict_or_path=copy.deepcopy(self.config))  # the engine gets it unread
 
-    def materialize(self, model: nn.Module, seed: int) -> nn.Module:
+    def materialize(self, model: nn.Module, seed: int, filled: frozenset = frozenset()) -> nn.Module:
         """ZeRO-3: one module at a time, gather its partitioned parameters, set their seeded values
-        (every rank computes the same; rank 0's are kept) and let DeepSpeed re-partition them."""
+        (every rank computes the same; rank 0's are kept) and let DeepSpeed re-partition them. (A
+        pretrained directory under ZeRO-3, which would leave `filled` parameters, is refused by validate.)"""
         if self.options.zero_stage != 3:
-            return super().materialize(model, seed)
+            return super().materialize(model, seed, filled)
+        if filled:
+            raise ValueError("ZeRO-3 cannot read a pretrained directory into a model it partitions as it is built")
         deepspeed = import_deepspeed()
         check_seedable(model)
         for name, module in owners(model):

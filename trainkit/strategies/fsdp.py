@@ -19,7 +19,8 @@ from torch import nn
 
 from ..recipe.blocks import FSDPOptions
 from ..recipe.blocks import ActivationCheckpointingOptions, CompileOptions, PerformanceOptions
-from ..runtime.materialize import check_seedable, has_meta_parameters, owners, seeded_values
+from ..runtime.materialize import after_seeded_init, check_seedable, has_meta_parameters, owners, parameter_name, \
+    seeded_values
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
 from .base import Strategy, replicated_buffers
@@ -106,7 +107,7 @@ def apply_fsdp(model: nn.Module, mesh, options: FSDPOptions, precision_name: str
     return model
 
 
-def fill_shards(model: nn.Module, seed: int, device: torch.device) -> None:
+def fill_shards(model: nn.Module, seed: int, device: torch.device, filled: frozenset = frozenset()) -> None:
     """After `fully_shard` on a model built on the meta device: allocate this rank's shards
     (`to_empty`, as torchtitan does) and fill each from its parameter's seeded full value. Every rank
     computes the same full value of one module at a time and keeps its own slice of it
@@ -120,13 +121,19 @@ def fill_shards(model: nn.Module, seed: int, device: torch.device) -> None:
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
         for name, module in owners(model):
+            wanted = {p for p, v in module._parameters.items() if v is not None and parameter_name(name, p) not in filled}
+            if not wanted:  # every one is read from the pretrained directory after set-up
+                continue
             for pname, full in seeded_values(module, name, seed).items():
+                if pname not in wanted:
+                    continue
                 param = module._parameters[pname]
                 if isinstance(param, DTensor):
                     mine = distribute_tensor(full.to(device), param.device_mesh, param.placements, src_data_rank=None)
                     param.to_local().copy_(mine.to_local())
                 else:
                     param.copy_(full)
+    after_seeded_init(model)
 
 
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -177,10 +184,11 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 class FSDPStrategy(Strategy):
     options: FSDPOptions
     _seed: Optional[int] = None  # set by materialize(): the shards are filled in setup, after sharding
+    _filled: frozenset = frozenset()  # ... except the parameters a pretrained directory fills after setup
 
-    def materialize(self, model: nn.Module, seed: int) -> nn.Module:
-        check_seedable(model)
-        self._seed = seed
+    def materialize(self, model: nn.Module, seed: int, filled: frozenset = frozenset()) -> nn.Module:
+        check_seedable(model, filled)
+        self._seed, self._filled = seed, filled
         return model
 
     def setup(self, model: nn.Module, optimizer_factory):
@@ -204,7 +212,7 @@ class FSDPStrategy(Strategy):
             self.mesh_owner.view("fsdp_tp")
         apply_fsdp(model, self.mesh, self.options, self.precision.name if self.precision else "fp32", self.performance)
         if seeded:
-            fill_shards(model, self._seed, home)
+            fill_shards(model, self._seed, home, self._filled)
             # buffers compute where the inputs are: fill_shards' `to_empty(device=home)` put them on the CPU
             # under cpu_offload, and FSDP2 moves inputs but never buffers (a BatchNorm's statistics)
             _move_buffers(model, self.device)

@@ -42,6 +42,11 @@ CASES = (
     EffectCase("fsdp/hf-llama", "fsdp (default units: the LlamaDecoderLayers)", "hf-llama (8 layers, 27.7 M)",
                "the same run under DDP", "tests/test_effects_transformer.py::test_fsdp_shards_a_hugging_face_models_"
                "state_against_ddp"),
+    EffectCase("pretrained-build/hf-llama", "model.init: auto (a pretrained directory under FSDP: built on the meta "
+               "device, each rank allocates its shards)", "hf-llama + LoRA (8 layers, 27.7 M)",
+               "the same run with `model.init: constructor` (the whole fp32 model built on every rank first)",
+               "tests/test_effects_transformer.py::test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_"
+               "per_rank"),
     EffectCase("fsdp/resnet18", "fsdp (default units: the BasicBlocks)", "resnet18 (11.2 M, BatchNorm)",
                "the same run under DDP", "tests/test_effects_transformer.py::test_fsdp_shards_a_cnns_state_against_ddp"),
     EffectCase("fsdp/mlp", "fsdp", "mlp (19 M)", "the same run under DDP",

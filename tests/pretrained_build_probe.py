@@ -1,0 +1,47 @@
+"""Run under torchrun by tests/test_effects_transformer.py: build a recipe's model as the worker does
+(`build_initial_model`, then the strategy's `setup`), and report rank 0's resident high-water mark
+(VmHWM) at the point every parameter exists as the rank holds it, before the pretrained read; then
+read the pretrained directory and report again. One JSON line on stdout."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def high_water_mark() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+
+
+def main(recipe_path: str) -> None:
+    from trainkit.recipe import resolve
+    from trainkit.runtime.components import build_strategy
+    from trainkit.runtime.mesh import build_mesh
+    from trainkit.runtime.model import build_initial_model
+    from trainkit.runtime.optim import build_optimizer
+    from trainkit.runtime.precision import Precision
+    from trainkit.runtime.pretrained import load_pretrained
+
+    dist.init_process_group("gloo")
+    recipe, device = resolve(recipe_path).recipe, torch.device("cpu")
+    dims = recipe.parallel_dims(dist.get_world_size())
+    strategy = build_strategy(recipe, device=device, precision=Precision(recipe.precision, device), dims=dims,
+                              mesh=build_mesh(dims, device.type))
+    started = high_water_mark()
+    model, init = build_initial_model(recipe.model, strategy, recipe.seed)
+    model, _ = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
+    built = high_water_mark()
+    bare = strategy.unwrap(model)
+    load_pretrained(bare, bare.pretrained_dir, bare.pretrained_name)
+    if dist.get_rank() == 0:
+        print(json.dumps({"init": init, "started": started, "built": built, "read": high_water_mark()}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(0)  # as the worker leaves: gloo's threads can abort interpreter finalization (runtime/worker.py)
