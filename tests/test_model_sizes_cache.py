@@ -4,6 +4,8 @@ kernels import torch._dynamo), and a change to the model's arguments or to its c
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -72,16 +74,18 @@ def test_an_edit_to_a_local_models_code_is_traced_again(tmp_path, cache, traces,
     assert sizes_of(recipe).parameters > narrow.parameters and len(traces) == 2
 
 
-def test_a_torn_entry_is_traced_again_and_an_empty_cache_dir_turns_it_off(tmp_path, cache, traces, monkeypatch):
+def test_a_torn_or_foreign_entry_is_traced_again_and_an_empty_cache_dir_turns_it_off(tmp_path, cache, traces, monkeypatch):
     recipe = mlp_recipe(tmp_path, "a")
     first = sizes_of(recipe)
     (entry,) = cache.iterdir()
     entry.write_text('{"parameters": 7')  # a write cut short by another tool
     assert sizes_of(recipe) == first and len(traces) == 2
+    entry.write_text(json.dumps({**dataclasses.asdict(first), "parameters": "7556"}))  # not a number
+    assert sizes_of(recipe) == first and len(traces) == 3
     monkeypatch.setenv("TRAINKIT_CACHE_DIR", "")
     for item in cache.iterdir():
         item.unlink()
-    assert sizes_of(recipe) == first and len(traces) == 3 and not list(cache.iterdir())
+    assert sizes_of(recipe) == first and len(traces) == 4 and not list(cache.iterdir())
 
 
 @pytest.mark.slow  # two processes

@@ -54,7 +54,7 @@ def sizes(key_parts: Optional[dict], measure: Callable[[], ModelSizes]) -> Model
                          .encode()).hexdigest()
     path = folder / f"{key[:40]}.json"
     try:
-        return ModelSizes(**json.loads(path.read_text()))
+        return _checked(ModelSizes(**json.loads(path.read_text())))
     except (OSError, ValueError, TypeError):
         pass
     found = measure()
@@ -65,6 +65,17 @@ def sizes(key_parts: Optional[dict], measure: Callable[[], ModelSizes]) -> Model
         os.replace(part, path)
     except OSError:  # a read-only home, a full disk: the plan is still right, only slower next time
         pass
+    return found
+
+
+def _checked(found: ModelSizes) -> ModelSizes:
+    """An entry whose fields are not the types the plan computes with (another tool's file, an edit) is
+    refused here (ValueError: traced again), never met as a traceback in the plan's arithmetic."""
+    for f in dataclasses.fields(found):
+        value = getattr(found, f.name)
+        kind = str if f.name == "largest_unit_name" else int
+        if not (isinstance(value, kind) and not isinstance(value, bool) or value is None and "Optional" in str(f.type)):
+            raise ValueError(f"model sizes cache: {f.name} = {value!r}")
     return found
 
 
