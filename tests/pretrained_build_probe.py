@@ -36,8 +36,12 @@ def main(recipe_path: str) -> None:
     built = high_water_mark()
     bare = strategy.unwrap(model)
     load_pretrained(bare, bare.pretrained_dir, bare.pretrained_name)
+    # LoRA's B matrices must start at zero (PEFT's init: the adapted model starts as the checkpoint)
+    lora_b = max((float(p.detach().to_local().abs().max()) if hasattr(p, "to_local") else float(p.abs().max()))
+                 for name, p in bare.named_parameters() if "lora_B" in name)
     if dist.get_rank() == 0:
-        print(json.dumps({"init": init, "started": started, "built": built, "read": high_water_mark()}), flush=True)
+        print(json.dumps({"init": init, "started": started, "built": built, "read": high_water_mark(),
+                          "lora_b_max": lora_b}), flush=True)
     dist.destroy_process_group()
 
 

@@ -201,3 +201,20 @@ def planned_saving_against_ddp(path) -> int:
     replica = Path(path).with_name(Path(path).stem + "-as-ddp.yaml")
     replica.write_text(yaml.safe_dump({**recipe, "strategy": {"name": "ddp"}}, sort_keys=False))
     return planned_per_rank(replica) - planned_per_rank(path)
+
+
+def logged_transformers_pipeline(tmp: Path, experiment: str):
+    """The model `tracking.log_model` logged for the one run of `experiment` in tmp's SQLite store,
+    downloaded from the store and loaded with MLflow's transformers flavour (a pipeline); fails on the
+    run's `trainkit.log_model_error` tag."""
+    import mlflow.artifacts
+    import mlflow.transformers
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert "trainkit.log_model_error" not in run.data.tags, run.data.tags["trainkit.log_model_error"]
+    local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model", tracking_uri=uri,
+                                                dst_path=str(tmp / "logged"))
+    return mlflow.transformers.load_model(local)

@@ -235,6 +235,7 @@ def test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_per_rank(tm
 
     whole, sharded = build("built-whole", "constructor"), build("built-sharded", "auto")
     assert (whole["init"], sharded["init"]) == ("constructor", "seeded")
+    assert whole["lora_b_max"] == sharded["lora_b_max"] == 0.0  # both start as the checkpoint (HFCausalLM.after_seeded_init)
     reference, chosen = [whole["built"] - whole["started"]], [sharded["built"] - sharded["started"]]
     saved = reference[0] - chosen[0]
     print(f"pretrained llama + lora under fsdp, rank 0 at the end of the build: whole {reference[0] // MiB} MiB, "

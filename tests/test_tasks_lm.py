@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lm_runs import STEPS, TINY, tiny_lm
-from run_helpers import losses, summary, trainkit, write_recipe
+from run_helpers import logged_transformers_pipeline, losses, summary, trainkit, write_recipe
 from strategy_runs import RTOL, run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,16 +181,6 @@ def test_a_hugging_face_model_from_a_recipe_config_trains_under_fsdp(tmp_path, c
     assert len(out) == 4 and out[-1] < out[0]
     assert summary(run_dir)["replicas_identical"]
 
-    import mlflow.artifacts
-    import mlflow.transformers
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    [logged] = client.search_runs([client.get_experiment_by_name("hf").experiment_id])
-    assert "trainkit.log_model_error" not in logged.data.tags, logged.data.tags["trainkit.log_model_error"]
-    local = mlflow.artifacts.download_artifacts(run_id=logged.info.run_id, artifact_path="model", tracking_uri=uri,
-                                                dst_path=str(tmp_path / "logged"))
-    pipe = mlflow.transformers.load_model(local)
+    pipe = logged_transformers_pipeline(tmp_path, "hf")
     assert type(pipe).__name__ == "TextGenerationPipeline" and pipe.tokenizer is not None
     assert pipe.tokenizer("a b")["input_ids"]  # the recipe's tokenizer, not an empty stand-in
