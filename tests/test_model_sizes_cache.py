@@ -103,3 +103,29 @@ def test_a_second_plan_of_the_recipe_does_not_trace(tmp_path):
     assert runs[1].stdout.endswith("dynamo imported: False\n"), runs[1].stdout
     plan = lambda text: [line for line in text.splitlines()[:-1] if "available:" not in line]  # noqa: E731 (memory free now)
     assert plan(runs[0].stdout) == plan(runs[1].stdout)
+
+
+@pytest.mark.slow  # transformers runs `uname -p` on import
+def test_a_pretrained_directory_whose_config_changes_is_traced_again(tmp_path, cache, traces, corpus):
+    """A model block that names a directory (a pretrained checkpoint) is keyed by its files: a config.json
+    rewritten in place (here: more layers) is traced again, not read back."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from run_helpers import write_recipe
+
+    folder = tmp_path / "pretrained"
+    config = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_attention_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **config)).save_pretrained(folder)
+    recipe = write_recipe(tmp_path, "hf", {
+        "task": {"name": "causal_lm"}, "model": {"name": "hf_causal_lm", "args": {"pretrained": str(folder)}},
+        "data": {"name": "text", "files": corpus["files"], "tokenizer": corpus["tokenizer"], "seq_len": 16,
+                 "batch_size": 2},
+        "strategy": {"name": "ddp"}, "optimizer": {"name": "adamw", "lr": 1e-3}, "trainer": {"max_steps": 1},
+        "launch": {"nproc_per_node": 1}, "tracking": {"enabled": False}})
+    one_layer = sizes_of(recipe)
+    assert sizes_of(recipe) == one_layer and len(traces) == 1
+    LlamaConfig(num_hidden_layers=2, **config).save_pretrained(folder)  # config.json only
+    os.utime(folder / "config.json", ns=(1, os.stat(folder / "config.json").st_mtime_ns + 10**9))
+    assert sizes_of(recipe).parameters > one_layer.parameters and len(traces) == 2
