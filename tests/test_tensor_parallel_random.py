@@ -1,6 +1,6 @@
 """Tensor-parallel randomness per replica (issue 41, item 4). On a GPU, DTensor's RNG tracker made by
 the first random op broadcasts rank 0's generator over the world; the worker makes it first, without
-that sync, seeded per data-parallel replica (`mesh.seed_tensor_parallel_random`). The CPU has no
+that sync, seeded per data-parallel replica (`seeding.seed_tensor_parallel_random`). The CPU has no
 tracker, so what runs there is the wiring: which mesh and seed reach DTensor's `manual_seed`. The
 effect (replicas drawing different masks, a resume drawing the same ones) needs GPUs: the GPU tier's
 tensor-parallel runs (tests/test_gpu.py, 2+ GPUs), not run yet."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch.distributed.tensor._random as dtensor_random
 
-from trainkit.runtime.mesh import seed_tensor_parallel_random
+from trainkit.runtime.seeding import seed_tensor_parallel_random
 
 
 def _mesh(device_type: str, tp: int):

@@ -107,24 +107,6 @@ class RunMesh:
         return mesh[(*self.view("fsdp").mesh_dim_names, "tp")]._flatten()
 
 
-def seed_tensor_parallel_random(seed: int, mesh: Optional[RunMesh]) -> None:
-    """Random ops on tensor-parallel DTensors (dropout) draw from this rank's own generator, seeded
-    `seed` -- the same within a tensor-parallel group, different between data-parallel replicas, as the
-    worker seeds them -- and never from rank 0's. Without this, DTensor's RNG tracker, made at the first
-    random op on a GPU, broadcasts rank 0's CUDA generator state over the whole world (torch's
-    `OffsetBasedRNGTracker(run_state_sync=True)`): every replica then drops the same units, a world
-    collective runs at an arbitrary point (under the pipeline too), and a resumed run, which broadcasts
-    again at its own first random op, draws other masks than the uninterrupted one. Making the tracker
-    first without that sync is torchtitan's way (`set_determinism`: DTensor's `manual_seed` on the
-    tensor-parallel mesh); the generator it draws from is the device's own, which checkpoints keep
-    (`checkpoint.rng_state`). The CPU has no tracker (DTensor's random ops use each rank's generator)."""
-    if mesh is None or mesh.device_type == "cpu" or mesh.degree("tp") == 1:
-        return
-    from torch.distributed.tensor._random import manual_seed
-
-    manual_seed(seed, mesh.view("tp"))
-
-
 _BUILT: dict[tuple[str, tuple[int, ...]], tuple[object, "DeviceMesh"]] = {}
 
 

@@ -17,7 +17,6 @@ masked) and `parent_watch` (dying with the launcher).
 from __future__ import annotations
 
 import os
-import random
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -41,7 +40,7 @@ from .data import build_datasets, make_loader
 from . import host_allocator as host_malloc
 from .loop import Loop, TrainState, global_batch, restore_trainer_state
 from .metrics import JsonlSink
-from .mesh import build_mesh, seed_tensor_parallel_random
+from .mesh import build_mesh
 from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
@@ -53,21 +52,11 @@ from .precision import Precision
 from .process_group import init_process_group
 from .progress import Progress, StartupPhases, process_start
 from .reports import write_reports, write_summary
+from .seeding import seed_everything, seed_replica
 from .timing import Clock, CommTimer, ForwardMarks
 
 
 STOP_SAVE_WAIT_S = 20.0  # on a stop, how long a background checkpoint write may take to finish
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
 
 
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
@@ -102,11 +91,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         init = "pretrained"
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
     phases.say(f"model built and placed ({init} weights, strategy {recipe.strategy.name})")
-    # per-rank randomness (augmentation, dropout), shared by the ranks of one tensor-parallel group (the
-    # innermost mesh dimension: neighbouring ranks), whose replicated activations must drop the same units
-    seed_everything(seed + rank // dims.tp)
-    # and no broadcast of rank 0's GPU generator by DTensor's RNG tracker (tensor parallel on GPUs)
-    seed_tensor_parallel_random(seed + rank // dims.tp, getattr(strategy, "run_mesh", None))
+    seed_replica(seed, rank, dims.tp, getattr(strategy, "run_mesh", None))  # augmentation, dropout
     task = build_task(recipe, device)
 
     train_loader, eval_loader = _data_loaders(recipe, strategy, device)
