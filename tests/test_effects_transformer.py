@@ -75,20 +75,32 @@ HF_LLAMA = {"config": {"model_type": "llama", "vocab_size": 2048, "hidden_size":
                        "num_hidden_layers": 8, "num_attention_heads": 4, "max_position_embeddings": 512}}
 
 
-def test_fsdp_shards_a_hugging_face_models_state_against_ddp(tmp_path, corpus):
+LLAMA_27M = {**HF_LLAMA["config"], "hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8}
+LLAMA_27M_LAYERS = 8 * (4 * 512 * 512 + 3 * 512 * 1408 + 2 * 512)  # attention, SwiGLU, norms
+LLAMA_27M_PARAMS = 2 * 2048 * 512 + LLAMA_27M_LAYERS + 512  # + embedding, head, final norm
+SHORT = {"seq_len": 64, "batch_size": 1}  # the model's state dominates: 443 MiB on a DDP rank
+
+
+@pytest.fixture(scope="module")
+def llama_under_ddp(tmp_path_factory, corpus) -> tuple[list[int], Path]:
+    """The 27.7 M Llama under DDP, the reference of its sharding effects: each rank's peak above its
+    baseline, and the recipe (for the plan's prediction)."""
+    tmp = tmp_path_factory.mktemp("llama-ddp")
+    path = transformer_recipe(tmp, "hf-ddp", corpus, model={"config": LLAMA_27M}, data=SHORT, family="hf_causal_lm")
+    return peaks_above_baseline(tmp, path), path
+
+
+def test_fsdp_shards_a_hugging_face_models_state_against_ddp(tmp_path, corpus, llama_under_ddp):
     """A transformers Llama of 27.7 M parameters (8 LlamaDecoderLayers, its `_no_split_modules`: FSDP's
     units), 64 tokens x 1 sequence: the model's state dominates (fp32 parameters, gradients, AdamW's two
     moments: 443 MiB on a DDP rank). FSDP on 2 ranks must lower each rank's whole-run peak by at least a
     quarter of that against DDP (each strategy with its own CPU defaults). Measured: see
     docs/compatibility.md, "Effects"."""
-    config = {**HF_LLAMA["config"], "hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8}
-    params = 2 * 2048 * 512 + 8 * (4 * 512 * 512 + 3 * 512 * 1408 + 2 * 512) + 512
-    data = {"seq_len": 64, "batch_size": 1}
-    replicas = transformer_recipe(tmp_path, "hf-ddp", corpus, model={"config": config}, data=data, family="hf_causal_lm")
-    sharded = transformer_recipe(tmp_path, "hf-fsdp", corpus, model={"config": config}, data=data,
+    ddp, replicas = llama_under_ddp
+    sharded = transformer_recipe(tmp_path, "hf-fsdp", corpus, model={"config": LLAMA_27M}, data=SHORT,
                                  family="hf_causal_lm", strategy={"name": "fsdp"})
-    ddp, fsdp = peaks_above_baseline(tmp_path, replicas), peaks_above_baseline(tmp_path, sharded)
-    full_state = 16 * params
+    fsdp = peaks_above_baseline(tmp_path, sharded)
+    full_state = 16 * LLAMA_27M_PARAMS
     saved = min(ddp) - max(fsdp)
     print(f"hf llama, above the baseline per rank: ddp {[b // MiB for b in ddp]} MiB, fsdp {[b // MiB for b in fsdp]} "
           f"MiB; the whole training state {full_state // MiB} MiB")
@@ -96,8 +108,31 @@ def test_fsdp_shards_a_hugging_face_models_state_against_ddp(tmp_path, corpus):
                   predicted_saving=lambda: planned_per_rank(replicas) - planned_per_rank(sharded),
                   criterion=f"saves > a quarter of the training state, {full_state // 4 // MiB} MiB")
     assert saved > full_state / 4, (
-        f"FSDP saved {saved // MiB} MiB per rank against DDP on a {params:,}-parameter Llama; its training state is "
-        f"{full_state // MiB} MiB (ddp {ddp}, fsdp {fsdp})")
+        f"FSDP saved {saved // MiB} MiB per rank against DDP on a {LLAMA_27M_PARAMS:,}-parameter Llama; its training "
+        f"state is {full_state // MiB} MiB (ddp {ddp}, fsdp {fsdp})")
+
+
+def test_tensor_parallel_splits_a_hugging_face_models_layers_against_ddp(tmp_path, corpus, llama_under_ddp):
+    """The same Llama split over 2 ranks by tensor parallel (`parallel: {dp_shard: 1, tp: 2}`, the
+    model's own tp plan: each decoder layer's projections column- or row-wise; the embedding, the head
+    and the norms stay whole): each rank holds half of the layers' 25.7 M parameters, with their
+    gradients and AdamW's moments, and no gradient buckets (DDP's hold another copy of the gradients).
+    It must save more than the halving frees (16 bytes x 12.8 M = 196 MiB) against DDP; a run that split
+    nothing saves nothing. Measured: 806 -> 494 MiB per rank, the plan predicts 318 MiB saved."""
+    ddp, replicas = llama_under_ddp
+    split = transformer_recipe(tmp_path, "hf-tp", corpus, model={"config": LLAMA_27M}, data=SHORT,
+                               family="hf_causal_lm", strategy={"name": "fsdp"}, parallel={"dp_shard": 1, "tp": 2})
+    tp = peaks_above_baseline(tmp_path, split)
+    halved = 16 * LLAMA_27M_LAYERS // 2
+    saved = min(ddp) - max(tp)
+    print(f"hf llama, above the baseline per rank: ddp {[b // MiB for b in ddp]} MiB, tp 2 {[b // MiB for b in tp]} "
+          f"MiB; halving the layers' training state frees {halved // MiB} MiB")
+    record_effect("tp/hf-llama", reference=ddp, chosen=tp, holds=saved > halved,
+                  predicted_saving=lambda: planned_per_rank(replicas) - planned_per_rank(split),
+                  criterion=f"saves > what halving the layers' training state frees, {halved // MiB} MiB")
+    assert saved > halved, (
+        f"tensor parallel 2 saved {saved // MiB} MiB per rank against DDP (ddp {ddp}, tp {tp}); halving the decoder "
+        f"layers' parameters, gradients and moments frees {halved // MiB} MiB")
 
 
 @pytest.mark.parametrize("family", ["transformer", "hf_causal_lm"])
@@ -214,8 +249,7 @@ def test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_per_rank(tm
 
     from run_helpers import env_for
 
-    config = {**HF_LLAMA["config"], "hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8}
-    params = 2 * 2048 * 512 + 8 * (4 * 512 * 512 + 3 * 512 * 1408 + 2 * 512) + 512
+    config, params = LLAMA_27M, LLAMA_27M_PARAMS
     folder = tmp_path / "pretrained"
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).save_pretrained(folder)

@@ -182,6 +182,9 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         Part("gradients", T * stored // L.gradients, offloaded_state,
              f"{T:,} x {stored} B / {L.gradients}{frozen}"),
     ]
+    if L.gradient_partition:
+        parts.append(Part("reduced gradients", T * stored // L.gradient_partition, offloaded_state,
+                          f"{T:,} x {stored} B / {L.gradient_partition} (the rank's averaged partition){frozen}"))
     if L.master_copy and (stored != FP32 or L.master_copy_in_fp32):
         parts.append(Part("fp32 master weights", T * FP32 // L.optimizer, offloaded_state,
                           f"{T:,} x 4 B / {L.optimizer} (the optimizer's own fp32 copy){frozen}"))

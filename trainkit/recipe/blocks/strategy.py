@@ -119,6 +119,10 @@ class MemoryLayout:
         holds its gathered parameters, their whole gradients and the reduce-scatter input or the next
         unit's prefetched parameters at once; without it (ZeRO-3's reduce buckets) a unit's gathered
         parameters and the next one's prefetch.
+    gradient_partition: ranks the reduced gradients are divided over when they are kept beside the whole
+        ones (ZeRO-1: each rank's whole gradients live until the accumulation boundary, then become views
+        of the reduce bucket, and the averaged gradients of the rank's partition are kept for the step);
+        0: none.
     gradient_bucket_elements: gradient elements copied into communication buckets (DDP without
         gradient_as_bucket_view: all of them; ZeRO: its reduce bucket), counted up to the model's size.
     gradient_bucket_per_unit: on GPUs the bucket is at least the model's largest unit (ZeRO-3's buffers
@@ -141,6 +145,7 @@ class MemoryLayout:
     parameters_split: int = 1
     gathers_units: bool = False
     unit_gradients_whole: bool = False
+    gradient_partition: int = 0
     gradient_bucket_elements: int = 0
     gradient_bucket_per_unit: bool = False
     low_precision_parameters: bool = False

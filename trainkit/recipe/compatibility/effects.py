@@ -42,6 +42,9 @@ CASES = (
     EffectCase("fsdp/hf-llama", "fsdp (default units: the LlamaDecoderLayers)", "hf-llama (8 layers, 27.7 M)",
                "the same run under DDP", "tests/test_effects_transformer.py::test_fsdp_shards_a_hugging_face_models_"
                "state_against_ddp"),
+    EffectCase("tp/hf-llama", "parallel: {tp: 2} (the model's tp plan: each decoder layer's projections split)",
+               "hf-llama (8 layers, 27.7 M)", "the same run under DDP",
+               "tests/test_effects_transformer.py::test_tensor_parallel_splits_a_hugging_face_models_layers_against_ddp"),
     EffectCase("pretrained-build/hf-llama", "model.init: auto (a pretrained directory under FSDP: built on the meta "
                "device, each rank allocates its shards)", "hf-llama + LoRA (8 layers, 27.7 M)",
                "the same run with `model.init: constructor` (the whole fp32 model built on every rank first)",
@@ -53,6 +56,12 @@ CASES = (
                "tests/test_sharded_memory.py::test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run"),
     EffectCase("zero3/mlp", "deepspeed zero_stage 3", "mlp (31.5 M)", "the same run under DDP",
                "tests/test_sharded_memory.py::test_zero3_no_rank_holds_a_full_copy_over_the_whole_run"),
+    EffectCase("zero2/mlp", "deepspeed zero_stage 2", "mlp (31.5 M)", "the same run under DDP",
+               "tests/test_sharded_memory.py::test_zero_1_and_2_shard_the_optimizer_state[2]"),
+    EffectCase("zero1/mlp", "deepspeed zero_stage 1", "mlp (31.5 M)", "the same run under DDP",
+               "tests/test_sharded_memory.py::test_zero_1_and_2_shard_the_optimizer_state[1]"),
+    EffectCase("pipeline/mlp", "pipeline (2 stages, split by parameters)", "mlp (19 M)", "the same run under DDP",
+               "tests/test_sharded_memory.py::test_the_pipeline_holds_its_own_stage_per_rank"),
     EffectCase("activation_checkpointing/transformer", "activation_checkpointing: full", "transformer (8 blocks, T=512)",
                "the same DDP run without checkpointing",
                "tests/test_effects_transformer.py::test_activation_checkpointing_frees_the_transformer_blocks_"
@@ -142,15 +151,22 @@ def section(effects: dict[str, Any]) -> list[str]:
                      f"{_mib(r['chosen_mib'])} | {r['saved_mib']} MiB | {predicted} | {off} | {holds} ({r['criterion']}) | "
                      f"{r['date']}, torch {r['torch']} |")
     lines += ["", "*Plan off by* is the prediction against the measured saving. The MLP rows' reference is a real "
-              "DDP run, with its buckets and its allocator's slack, which the plan does not give it. FSDP's "
+              "DDP run, with its buckets, every run there returning freed host memory at once (`host_allocator: "
+              "release`, the sharded strategies' CPU default; DDP's `retain` let one rank keep up to 35 MiB more). "
+              "The plan over-predicts ZeRO-1/2's saving by ~38%: a DeepSpeed stage 1/2 rank grows ~45 MiB more "
+              "above its baseline than the plan's lines (parameters, bucket, partitions, master copy, moments) on "
+              "that model, not yet attributed. FSDP's "
               "prediction counts a unit's gathered parameters, their whole gradients and the reduce-scatter input "
               "(FSDP2 computes a unit's gradients whole before sharding them): with the parameters and the "
               "prefetch alone it under-predicted the transformer's units by 31%.",
               "", "Not measured here, and why: step-time effects (compile, channels_last, cudnn_benchmark, tf32, "
               "float8) show on GPUs; their figures, with device and command, are in docs/benchmarks.md (GPU tier) "
-              "and CPU step times are noise-bound at these sizes. Offload frees *device* memory, which a CPU run "
-              "does not have. Not yet recorded here: the pipeline's 1/stages, ZeRO-1/2's partial sharding, FSDP's "
-              "cpu_offload, tensor parallel's 1/tp parameters, and HSDP's shard dimension.", ""]
+              "and CPU step times are noise-bound at these sizes. Offload (FSDP's cpu_offload, DeepSpeed's offload_optimizer/"
+              "offload_param) frees *device* memory, which a CPU run does not have. ZeRO-1 and ZeRO-2 hold the "
+              "same peak here: DeepSpeed's reduce bucket (5e8 elements) holds the whole model, and stage 1's whole "
+              "gradients become views of it; stage 2 holds less once a model outgrows its bucket. Not recorded: "
+              "HSDP's shard dimension (4 processes on 2 cores; its per-rank state follows FSDP's over the shard "
+              "dimension, which the memory plan states).", ""]
     return lines
 
 
