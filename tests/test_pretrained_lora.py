@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -52,15 +53,18 @@ def chat_data(tmp, pretrained: str) -> dict:
 
 
 def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict, precision: str = "fp32",
-             steps: int = 3, tracking: dict = {"enabled": False}, **env: str) -> tuple:  # noqa: B006
+             steps: int = 3, tracking: dict = {"enabled": False}, parallel: Optional[dict] = None,  # noqa: B006
+             **env: str) -> tuple:
     path = write_recipe(tmp, name, {
         "seed": 0, "task": {"name": "causal_lm"}, "precision": precision,
         "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained, "lora": LORA}},
         "data": data,
         "strategy": strategy, "optimizer": {"name": "adamw", "lr": 1e-2},
         "trainer": {"max_steps": steps, "log_every": 1, "checkpoint": {"every": 2 if steps > 3 else 3},
-                    "eval_every": steps, "eval_steps": 1},
-        "launch": {"nproc_per_node": 2, "timeout_s": 180, "max_restarts": 1}, "tracking": tracking})
+                    # the 8 held-out conversations, 4 per replica batch
+                    "eval_every": steps, "eval_steps": 2 if parallel and parallel.get("tp", 1) > 1 else 1},
+        "launch": {"nproc_per_node": 2, "timeout_s": 180, "max_restarts": 1}, "tracking": tracking,
+        **({"parallel": parallel} if parallel else {})})
     result = trainkit(tmp, "run", str(path), **env)
     assert result.returncode == 0, result.output[-4000:]
     return path, tmp / "runs" / name
@@ -68,17 +72,20 @@ def lora_run(tmp, name: str, data: dict, pretrained: str, strategy: dict, precis
 
 @pytest.mark.parametrize("strategy,data,precision", [({"name": "fsdp"}, "chat", "fp32"),
                                                      ({"name": "ddp"}, "text", "bf16"),
-                                                     ({"name": "deepspeed", "zero_stage": 2}, "chat", "fp32")],
-                         ids=["fsdp-chat-fp32", "ddp-text-bf16-restarted", "zero2-chat-fp32"])
+                                                     ({"name": "deepspeed", "zero_stage": 3}, "chat", "fp32"),
+                                                     ({"name": "fsdp", "tp": 2}, "chat", "fp32")],
+                         ids=["fsdp-chat-fp32", "ddp-text-bf16-restarted", "zero3-chat-fp32", "tp-chat-fp32"])
 def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_peft_adapter(
         request, tmp_path_factory, tmp_path, corpus, pretrained, strategy, data, precision):
     """FSDP: a chat SFT run (the pretrained directory's own chat template; its evaluation counts exactly
     the held-out conversations' assistant tokens, so nothing else is in the loss). DDP: plain text in
     bf16 autocast, and rank 1 dies after step 3: torchrun restarts the ranks, they resume the LoRA run
     from its step-2 checkpoint (not from the pretrained files again) and end where an uninterrupted run
-    of the same recipe ends, loss for loss. ZeRO-2: the weights are read into the model as built, before
-    DeepSpeed's engine takes its fp32 master copy from it (a read after set-up would leave the optimizer
-    stepping the random initial weights)."""
+    of the same recipe ends, loss for loss. ZeRO-3: the model is built partitioned (zero.Init) and each
+    module, gathered once, gets the checkpoint's tensors before DeepSpeed's engine takes its fp32 master
+    partitions (a read after set-up would leave the optimizer stepping the random initial weights).
+    Tensor parallel 2 (`parallel: {dp_shard: 1, tp: 2}`): the model is built on the meta device, each
+    rank allocates its column/row slices and reads only those."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -97,8 +104,9 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
     env = {"TRAINKIT_FAULT_INJECT": "rank=1,step=3"} if restarted else {}
     if strategy["name"] == "deepspeed":
         env.update(deepspeed_env(request, tmp_path_factory))
+    tp = strategy.pop("tp", 1)
     _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", block, pretrained, strategy, precision, steps,
-                          tracking, **env)
+                          tracking, parallel={"dp_shard": 1, "tp": tp} if tp > 1 else None, **env)
     assert summary(run_dir)["model_init"] == "pretrained"
     if restarted:
         assert summary(run_dir)["resumed_from"].endswith("step-00000002"), summary(run_dir)
@@ -193,12 +201,12 @@ def test_validate_refuses_a_bad_pretrained_directory_with_file_level_messages(tm
             "trainer": {"max_steps": 1}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False}})
         result = trainkit(tmp_path, "validate", str(path))
         assert result.returncode == 2 and expected in result.output and "Traceback" not in result.output, result.output
-    zero3 = write_recipe(tmp_path, "zero3", {
+    pipelined = write_recipe(tmp_path, "pipelined", {
         "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained}}, "task": {"name": "causal_lm"},
         "data": {"name": "text", "files": ["x.txt"], "tokenizer": "t.json", "seq_len": 32, "batch_size": 4},
-        "strategy": {"name": "deepspeed", "zero_stage": 3}, "optimizer": {"name": "adamw", "lr": 1e-3},
+        "strategy": {"name": "pipeline"}, "optimizer": {"name": "adamw", "lr": 1e-3},
         "trainer": {"max_steps": 1}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False}})
-    result = trainkit(tmp_path, "validate", str(zero3))
+    result = trainkit(tmp_path, "validate", str(pipelined))
     assert result.returncode == 2 and "cannot read pretrained weights" in result.output, result.output
 
 

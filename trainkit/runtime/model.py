@@ -94,8 +94,11 @@ def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = F
         return build_model(spec), "constructor"
     with strategy.empty_init():
         model = build_model(spec)
-    # a pretrained directory's parameters are read after set-up: they need no value now (runtime.pretrained)
-    filled = filled_by_pretrained(model) if not strategy.capabilities.pretrained_before_setup else frozenset()
+    # a pretrained directory's parameters are read after set-up, or by `materialize` itself: they need no
+    # seeded value (runtime.pretrained)
+    capabilities = strategy.capabilities
+    reads_later = capabilities.pretrained_read_at_materialize or not capabilities.pretrained_before_setup
+    filled = filled_by_pretrained(model) if reads_later else frozenset()
     missing = unseedable(model, filled)
     if missing and spec.init == "auto":
         if announce:

@@ -13,7 +13,9 @@ Under a strategy that shards parameters (FSDP, HSDP, FSDP x TP) the model is bui
 (`model.init: auto`): the checkpoint's parameters are only allocated as each rank's shards, the others
 (LoRA adapters, a head tied to the embedding) get seeded values (runtime.materialize), and this read
 fills the rest, so no rank ever holds a whole copy. Under DDP and ZeRO-1/2 each rank holds the whole
-model anyway and builds it with its factory.
+model anyway and builds it with its factory. Under ZeRO-3 the model is built partitioned (DeepSpeed's
+zero.Init), and its `materialize` gathers one module at a time and copies that module's tensors in
+(`PretrainedTensors`, rank 0 reading): the read holds one module whole, as training does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,24 @@ def checkpoint_tensor_names(directory: Path) -> set[str]:
         with safe_open(str(file), framework="pt") as f:
             names.update(f.keys())
     return names
+
+
+class PretrainedTensors:
+    """One tensor at a time from a directory's safetensors files, by checkpoint name: for a reader that
+    fills a module it has gathered (ZeRO-3's `materialize`), where DCP's reader needs a state dict of
+    plain tensors or DTensors. Each file is opened (memory-mapped) once; `read` copies one tensor out."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        self._files = [safe_open(str(f), framework="pt") for f in sorted(Path(directory).glob("*.safetensors"))]
+        self._where = {name: f for f in self._files for name in f.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
 
 
 def filled_by_pretrained(model: nn.Module) -> frozenset:

@@ -82,7 +82,10 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     pretrained_dir = getattr(model, "pretrained_dir", None)
-    read_before_setup = bool(pretrained_dir) and strategy.capabilities.pretrained_before_setup
+    read_at_build = bool(pretrained_dir) and init == "seeded" and strategy.capabilities.pretrained_read_at_materialize
+    read_before_setup = bool(pretrained_dir) and not read_at_build and strategy.capabilities.pretrained_before_setup
+    if read_at_build:
+        phases.say(f"weights read from {pretrained_dir} (one module gathered at a time)")
     if read_before_setup:  # the engine copies the weights at set-up (a resume's checkpoint replaces them later)
         load_pretrained(model, pretrained_dir, model.pretrained_name)
         phases.say(f"weights read from {pretrained_dir}")
@@ -105,7 +108,7 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     source = resume.decide_on_ranks(strategy, run_dir, ckpt_dir, recipe.trainer.resume, restart)
     state = TrainState()
-    if source is None and pretrained_dir and not read_before_setup:  # each rank reads its own slices; a resume
+    if source is None and pretrained_dir and not (read_before_setup or read_at_build):  # each rank reads its own slices; a resume
         # reads the checkpoint instead
         bare = strategy.unwrap(model)
         load_pretrained(bare, pretrained_dir, bare.pretrained_name)

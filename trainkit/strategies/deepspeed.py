@@ -22,9 +22,10 @@ from torch import nn
 from ..recipe.blocks import DeepSpeedOptions
 from ..recipe.blocks.deepspeed import ZERO3_BUFFER_NUMEL
 from ..runtime.files import fsync_save
-from ..runtime.materialize import check_seedable, owners, seeded_values
+from ..runtime.materialize import after_seeded_init, check_seedable, owners, parameter_name, seeded_values
 from ..runtime.memory_trace import largest_unit_of
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
+from ..runtime.pretrained import PretrainedTensors
 from .base import Strategy, replicated_buffers
 from .deepspeed_checkpoint import load_mapped, settle
 from .deepspeed_import import import_deepspeed
@@ -167,20 +168,28 @@ class DeepSpeedStrategy(Strategy):
 
     def materialize(self, model: nn.Module, seed: int, filled: frozenset = frozenset()) -> nn.Module:
         """ZeRO-3: one module at a time, gather its partitioned parameters, set their seeded values
-        (every rank computes the same; rank 0's are kept) and let DeepSpeed re-partition them. (A
-        pretrained directory under ZeRO-3, which would leave `filled` parameters, is refused by validate.)"""
+        (every rank computes the same; rank 0's are kept) -- or, for the parameters a pretrained
+        directory holds (`filled`), rank 0 copies them from its safetensors -- and let DeepSpeed
+        re-partition them. No rank holds more than one module whole."""
         if self.options.zero_stage != 3:
             return super().materialize(model, seed, filled)
-        if filled:
-            raise ValueError("ZeRO-3 cannot read a pretrained directory into a model it partitions as it is built")
         deepspeed = import_deepspeed()
-        check_seedable(model)
+        check_seedable(model, filled)
+        stored = PretrainedTensors(model.pretrained_dir) if filled and self.rank == 0 else None
         for name, module in owners(model):
-            values = seeded_values(module, name, seed, full_shape=lambda p: p.ds_shape)
-            own = [module._parameters[pname] for pname in values]
-            with deepspeed.zero.GatheredParameters(own, modifier_rank=0), torch.no_grad():
-                for pname, value in values.items():
-                    module._parameters[pname].copy_(value)
+            own = {pname: p for pname, p in module._parameters.items() if p is not None}
+            pretrained = {pname for pname in own if parameter_name(name, pname) in filled}
+            values = seeded_values(module, name, seed, full_shape=lambda p: p.ds_shape) if pretrained < set(own) else {}
+            with deepspeed.zero.GatheredParameters(list(own.values()), modifier_rank=0), torch.no_grad():
+                for pname, parameter in own.items():
+                    if pname not in pretrained:
+                        parameter.copy_(values[pname])
+                    elif stored is not None:  # rank 0's values are the ones DeepSpeed keeps
+                        parameter.copy_(stored.read(model.pretrained_name(parameter_name(name, pname))))
+        if filled:  # what the checkpoint does not hold (LoRA's adapters: small) gathered at once for the model's hook
+            rest = [p for pname, p in model.named_parameters() if pname not in filled]
+            with deepspeed.zero.GatheredParameters(rest, modifier_rank=0), torch.no_grad():
+                after_seeded_init(model)
         return model
 
     def setup(self, model: nn.Module, optimizer_factory):

@@ -64,13 +64,11 @@ class DeepSpeedOptions(StrategyOptions):
         if offloaded:
             effect += ("; " if effect else "") + f"the {' and '.join(offloaded)} off the device"
         return Capabilities(shards_parameters=self.zero_stage == 3, owns_optimizer_step=True, effect=effect,
-                            # ZeRO 0-2: every rank builds the whole model, and the engine takes its fp32 master
-                            # copy from it at set-up: the weights are read into the built model before that
-                            pretrained_before_setup=self.zero_stage < 3,
-                            pretrained_load_refusal="" if self.zero_stage < 3 else (
-                                "ZeRO-3 partitions each module's parameters as the module is built (zero.Init), "
-                                "and reading a checkpoint into those partitions is not built yet; use zero_stage "
-                                "1 or 2"),
+                            # the engine takes its fp32 master copy from the model at set-up: the weights are
+                            # read into the built model before that -- ZeRO 0-2 (and ZeRO-3 with
+                            # `model.init: constructor`) build it whole; ZeRO-3 under zero.Init partitions each
+                            # module as it is built, and `materialize` fills it one gathered module at a time
+                            pretrained_before_setup=True, pretrained_read_at_materialize=self.zero_stage == 3,
                             background_save_refusal="DeepSpeed writes its checkpoints through its engine's own "
                                                     "save, which has no background write here",
                             owns_loss_scaling=True, reshards_on_load=False, host_memory_on_cpu="release",

@@ -79,6 +79,9 @@ class Capabilities:
     pretrained_before_setup: the weights are read into the model as built, before `setup` (an engine that
         copies the model's weights when it is set up: DeepSpeed's fp32 master partitions); otherwise into
         the model `setup` returns (FSDP's DTensor shards: each rank reads only its own slices).
+    pretrained_read_at_materialize: a model built partitioned (`empty_init`) gets the directory's weights in
+        `materialize`, module by module, instead of a later read (ZeRO-3: its partitions are not tensors a
+        state-dict reader can fill; each module is gathered once, as for seeded values).
     background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
         ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
     effect: what a user picks the strategy for (docs/compatibility.md, "Effects", lists it with the measured
@@ -100,6 +103,7 @@ class Capabilities:
     unsupported_performance: Mapping[str, str] = field(default_factory=lambda: dict(SYNC_BATCHNORM_NEEDS_DDP))
     pretrained_load_refusal: str = ""
     pretrained_before_setup: bool = False
+    pretrained_read_at_materialize: bool = False
     background_save_refusal: str = ("its checkpoint is not declared to be the model's and optimizer's DCP state "
                                     "dicts (Capabilities.background_save_refusal), which is what a background "
                                     "write saves")
