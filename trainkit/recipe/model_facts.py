@@ -31,6 +31,11 @@ class ModelFacts:
     packing_refusal = ("it takes token ids only, so samples packed into one sequence would attend to each "
                        "other; use a Hugging Face model (hf_causal_lm), or data.packing: false")
 
+    # the model.args names the factory takes, when the plugin declares them: validate refuses any other (a
+    # typo, or `lora` on a model without adapters) instead of the factory's TypeError at run time; None:
+    # not declared, not checked (tests/test_model_facts.py keeps the built-in ones equal to the signatures)
+    argument_names: Optional[frozenset] = None
+
     def max_positions(self, args: dict) -> Optional[int]:
         """The longest sequence the model is built for, when its args say it (validate; no imports)."""
         return None
@@ -82,10 +87,28 @@ def facts_for(model_name: str) -> ModelFacts:
     return facts() if isinstance(facts, type) else facts
 
 
+def unknown_arguments(facts: ModelFacts, model_name: str, args: dict) -> list[tuple[tuple, str]]:
+    """(path under model.args, message) for each argument the model's declared `argument_names` lack."""
+    if facts.argument_names is None:
+        return []
+    takes = ", ".join(sorted(facts.argument_names))
+    return [((name,), (f"{model_name} takes no argument {name!r}"
+                       + (" (LoRA adapters are built for Hugging Face models: hf_causal_lm)" if name == "lora" else "")
+                       + f"; it takes: {takes}")) for name in args if name not in facts.argument_names]
+
+
 # --------------------------------------------------------------------------- built-in models' facts
+class MLPFacts(ModelFacts):
+    """trainkit.models.mlp: an nn.Sequential of Linear and ReLU layers."""
+
+    argument_names = frozenset({"in_features", "hidden", "num_classes", "depth"})
+
+
 class TransformerFacts(ModelFacts):
     """trainkit.models.transformer: an nn.Sequential of blocks (the pipeline splits at layers.N)."""
 
+    argument_names = frozenset({"vocab_size", "dim", "layers", "heads", "kv_heads", "seq_len", "ffn_hidden",
+                                "rope_theta", "norm_eps"})
     positions_key = "seq_len"
     packing_refusal = ("its attention is causal over the whole sequence (no document mask), so samples packed into "
                        "one sequence would attend to each other; use a Hugging Face model (hf_causal_lm), or "
@@ -125,6 +148,12 @@ class TorchvisionFacts(ModelFacts):
         blocks, so 2 stages cut before it."""
         return RESNET_SPLIT_POINTS.get(stages) if self._resnet else None
 
+    def args_problems(self, args: dict) -> list[tuple[tuple, str]]:
+        if "lora" in args:  # the models' own keyword arguments are only known once torchvision is imported
+            return [(("lora",), "torchvision models take no lora argument (LoRA adapters are built for Hugging "
+                                "Face models: hf_causal_lm)")]
+        return []
+
     @staticmethod
     def describes(model_name: str) -> bool:
         """Whether `model_name` is written `torchvision.<name>` (the resolver's form for these models)."""
@@ -137,6 +166,7 @@ MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "s
 class HFCausalLMFacts(ModelFacts):
     """trainkit.models.hf: a transformers causal LM built from `args.config` (not an nn.Sequential)."""
 
+    argument_names = frozenset({"config", "pretrained", "lora"})
     splits_into_stages = False
     not_seedable = ("transformers initialises its layers with the model's own _init_weights, and its norm layers "
                     "(e.g. LlamaRMSNorm) have no reset_parameters() for seeded init to run; use model.init: "

@@ -11,7 +11,7 @@ import importlib.util
 from typing import Callable, Iterator
 
 from . import mesh_rules, paths
-from .model_facts import facts_for
+from .model_facts import facts_for, unknown_arguments
 from .blocks import Finding
 from .schema import Recipe
 
@@ -170,7 +170,8 @@ def model_args_are_usable(r: Recipe) -> Iterator[Finding]:
     """The model family's own checks of its args (a pretrained directory's files, config and format), and a
     strategy that cannot read pretrained weights into the model it holds."""
     facts = facts_for(r.model.name)
-    for where, message in facts.args_problems(dict(r.model.args)):
+    for where, message in unknown_arguments(facts, r.model.name, dict(r.model.args)) + \
+            facts.args_problems(dict(r.model.args)):
         yield ("model", "args", *where), message
     why = r.strategy.capabilities().pretrained_load_refusal
     if facts.loads_pretrained(dict(r.model.args)) and why:

@@ -358,7 +358,16 @@ class DeepSpeedStrategy(Strategy):
             return zero3_state_dict(folder / tag)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
+        state = dict(get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag))
+        if info["zero_stage"] == 1:
+            # ZeRO-1 checkpoints record no frozen parameters beside the optimizer's partitions (DeepSpeed saves
+            # them only where it partitions gradients: engine.py `save_frozen_param`), so zero_to_fp32 leaves
+            # a LoRA run's frozen base out; every rank holds the whole module at stage 1, and rank 0's module
+            # file has it (found by the compatibility grid's LoRA cells)
+            module = torch.load(folder / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                                weights_only=False)["module"]
+            state.update({name: value for name, value in module.items() if name not in state})
+        return state
 
 
 def cpu_adam(options, params) -> torch.optim.Optimizer:

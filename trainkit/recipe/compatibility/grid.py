@@ -83,6 +83,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "sync_batchnorm": {"performance": {"sync_batchnorm": True}},
     "grad_accum": {"trainer": {"grad_accum_steps": 2}},
     "grad_clip": {"trainer": {"grad_clip": 0.5}},
+    # PEFT LoRA adapters on a Hugging Face model, its base frozen (issue 39): FSDP units holding frozen and
+    # trainable parameters, DDP's unused-parameter rules, ZeRO's partitions of a partly frozen model
+    "lora": {"model": {"args": {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}}},
 }
 
 INITS: dict[str, dict[str, Any]] = {

@@ -55,6 +55,7 @@ def markdown(results: dict[str, Any], effects: Optional[dict[str, Any]] = None) 
               "| pair | cell | status |", "|---|---|---|"]
     lines += [f"| {a} {va} x {b} {vb} | {s.cell.id} | {_verdict(s, results, refusals)} |"
               for (a, va, b, vb), s in only_refused.items()]
+    lines += ["", *_lora_section(pairs, only_refused, results, refusals)]
     lines += ["", "## Combinations that crashed before (issue 26)", "",
               "| strategy | option | precision | model | init | status |", "|---|---|---|---|---|---|"]
     lines += _rows(regressions, results, refusals)
@@ -111,6 +112,28 @@ def _intro(results: dict[str, Any]) -> list[str]:
             "but refused by `trainkit run`'s preflight on that device (before anything starts), **not "
             "verified** accepted but not run there; **(2nd try)**: the first attempt stopped (recorded in "
             "docs/compatibility-results.json) and a second one from scratch passed."]
+
+
+def _lora_section(pairs: list[Status], only_refused: dict, results: dict[str, Any],
+                  refusals: dict[str, int]) -> list[str]:
+    """The LoRA column (issue 39): for each strategy, the cell of the pairs above that trains it with LoRA
+    adapters, or the refused pair and why."""
+    lines = ["## LoRA (PEFT adapters on a Hugging Face model, issue 39)", "",
+             "The `lora` option (`model.args.lora`: r 4 on q_proj and v_proj, the base frozen) is an axis value "
+             "like the others; these are its cells from the tables above, one per strategy. The frozen base "
+             "meets each strategy's own rules: FSDP units holding frozen and trainable parameters, DDP's "
+             "unused-parameter check, ZeRO's partitions of a partly frozen model, and `trainkit export` of a "
+             "checkpoint that holds optimizer state for the adapters only. Starting from a pretrained directory "
+             "is verified separately (tests/test_pretrained_lora.py: FSDP, DDP, ZeRO-3, tensor parallel; "
+             "docs/models.md).", "", "| strategy | cell | status |", "|---|---|---|"]
+    for strategy in STRATEGIES:
+        cells = [s for s in pairs if s.cell.option == "lora" and s.cell.strategy == strategy]
+        refused = only_refused.get(("option", "lora", "strategy", strategy))
+        for status in cells or ([refused] if refused is not None else []):
+            lines.append(f"| {strategy} | {status.cell.id} | {_verdict(status, results, refusals)} |")
+        if not cells and refused is None:
+            lines.append(f"| {strategy} | - | no cell |")
+    return lines
 
 
 def _rows(rows: list[Status], results: dict[str, Any], refusals: dict[str, int]) -> list[str]:
