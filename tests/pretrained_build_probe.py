@@ -23,7 +23,7 @@ def main(recipe_path: str) -> None:
     from trainkit.runtime.model import build_initial_model
     from trainkit.runtime.optim import build_optimizer
     from trainkit.runtime.precision import Precision
-    from trainkit.runtime.pretrained import load_pretrained
+    from trainkit.runtime.pretrained import WeightsFile, pretrained_source
 
     dist.init_process_group("gloo")
     recipe, device = resolve(recipe_path).recipe, torch.device("cpu")
@@ -35,13 +35,22 @@ def main(recipe_path: str) -> None:
     model, _ = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     built = high_water_mark()
     bare = strategy.unwrap(model)
-    load_pretrained(bare, bare.pretrained_dir, bare.pretrained_name)
+    source = pretrained_source(bare)
+    if source is not None:  # built without its weights (meta): each rank reads its own slices
+        source.load_into(bare)
+    read = high_water_mark()
     # LoRA's B matrices must start at zero (PEFT's init: the adapted model starts as the checkpoint)
     lora_b = max((float(p.detach().to_local().abs().max()) if hasattr(p, "to_local") else float(p.abs().max()))
-                 for name, p in bare.named_parameters() if "lora_B" in name)
+                 for name, p in bare.named_parameters() if "lora_B" in name) if "lora" in recipe.model.args else None
+    # a weights file's every entry must be in the model after the read, whichever way it was built
+    weights_diff = None
+    if recipe.model.weights:
+        stored = WeightsFile(recipe.model.weights)
+        weights_diff = max(float(((t.full_tensor() if hasattr(t, "full_tensor") else t).detach().double()
+                                  - stored.read(name).double()).abs().max()) for name, t in bare.state_dict().items())
     if dist.get_rank() == 0:
-        print(json.dumps({"init": init, "started": started, "built": built, "read": high_water_mark(),
-                          "lora_b_max": lora_b}), flush=True)
+        print(json.dumps({"init": init, "started": started, "built": built, "read": read,
+                          "lora_b_max": lora_b, "weights_diff": weights_diff}), flush=True)
     dist.destroy_process_group()
 
 

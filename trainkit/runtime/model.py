@@ -18,7 +18,7 @@ from .. import registry
 from ..recipe import imports
 from ..recipe.blocks import ModelSpec
 from .materialize import unseedable
-from .pretrained import filled_by_pretrained
+from .pretrained import WeightsFile, filled_by_pretrained
 
 
 class NotAModelFactory(TypeError):
@@ -68,18 +68,31 @@ def _torchvision_builder(obj: Any) -> bool:
     return any(models.get_model_builder(n) is obj for n in models.list_models())
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
-    """Instantiate the model; load `spec.weights` (a local state_dict file) if given, never download."""
+def construct(spec: ModelSpec) -> nn.Module:
+    """The factory's model, with the factory's own initial values (no weights file read)."""
     model = factory(spec.name)(**spec.args)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model factory {spec.name} returned {type(model).__name__}, not a torch.nn.Module")
-    if spec.weights:
-        state = torch.load(Path(spec.weights).expanduser(), map_location="cpu", weights_only=True)
-        for key in ("model", "state_dict"):
-            if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-                state = state[key]
-        model.load_state_dict(state)
     return model
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """Instantiate the model; load `spec.weights` (a local state_dict file) if given, never download."""
+    model = construct(spec)
+    if spec.weights:
+        source = WeightsFile(str(Path(spec.weights).expanduser()))
+        model.load_state_dict({name: source.read(name) for name in source.names()})
+    return model
+
+
+def check_weights_fit(model: nn.Module, source: WeightsFile) -> None:
+    """A weights file read into shards after set-up must name exactly the model's entries, as the whole
+    model's strict `load_state_dict` requires (raises ValueError naming the first differences)."""
+    expected, stored = set(model.state_dict()), source.names()
+    missing, unexpected = sorted(expected - stored), sorted(stored - expected)
+    if missing or unexpected:
+        raise ValueError(f"model.weights {source.where} does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
 
 
 def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = False) -> tuple[nn.Module, str]:
@@ -88,12 +101,14 @@ def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = F
     `model.init` resolves here, with the strategy that will hold the model: seeded models are built
     in `strategy.empty_init()` (meta parameters; DeepSpeed ZeRO-3: partitioned as they are built)
     and given their values by `strategy.materialize` (runtime.materialize says why and how)."""
-    seeded = spec.init == "seeded" or (spec.init == "auto" and not spec.weights
-                                       and strategy.capabilities.shards_parameters)
+    seeded = spec.init == "seeded" or (spec.init == "auto" and strategy.capabilities.shards_parameters)
     if not seeded:
         return build_model(spec), "constructor"
     with strategy.empty_init():
-        model = build_model(spec)
+        model = construct(spec)
+    if spec.weights:  # read later, into each rank's shards (runtime.pretrained.WeightsFile)
+        model.weights_file = str(Path(spec.weights).expanduser())
+        check_weights_fit(model, WeightsFile(model.weights_file))
     # a pretrained directory's parameters are read after set-up, or by `materialize` itself: they need no
     # seeded value (runtime.pretrained)
     capabilities = strategy.capabilities
@@ -104,5 +119,6 @@ def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = F
         if announce:
             print(f"trainkit: note: model.init auto: {missing[0]} has no reset_parameters(), so the factory's own "
                   f"init is used (every rank builds the whole model before it is sharded)", flush=True)
-        return build_model(spec), "constructor"
+        model = build_model(spec)
+        return model, "constructor"
     return strategy.materialize(model, seed, filled), "seeded"  # refuses (CannotSeed) what cannot be seeded

@@ -21,7 +21,7 @@ zero.Init), and its `materialize` gathers one module at a time and copies that m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -37,36 +37,148 @@ def checkpoint_tensor_names(directory: Path) -> set[str]:
     return names
 
 
-class PretrainedTensors:
-    """One tensor at a time from a directory's safetensors files, by checkpoint name: for a reader that
-    fills a module it has gathered (ZeRO-3's `materialize`), where DCP's reader needs a state dict of
-    plain tensors or DTensors. Each file is opened (memory-mapped) once; `read` copies one tensor out."""
+class PretrainedSource:
+    """Where a model built without its weights gets them: a Hugging Face directory or a `model.weights`
+    file. `names` and `read` serve a reader that fills one gathered module at a time (ZeRO-3's
+    `materialize`, rank 0); `load_into` is the read after set-up, each rank copying only the slices it
+    holds."""
 
-    def __init__(self, directory: str):
-        from safetensors import safe_open
+    where: str
 
-        self._files = [safe_open(str(f), framework="pt") for f in sorted(Path(directory).glob("*.safetensors"))]
-        self._where = {name: f for f in self._files for name in f.keys()}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
+    def names(self) -> set[str]:
+        raise NotImplementedError
 
     def read(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
+        """One tensor, whole, on the CPU (memory-mapped where the format allows)."""
+        raise NotImplementedError
+
+    def checkpoint_name(self, name: str) -> str:
+        """The stored name of the model's state-dict entry `name`."""
+        return name
+
+    def load_into(self, module: nn.Module) -> list[str]:
+        """Fill `module` (the strategy's unwrapped model) in place; returns the entries left as built."""
+        raise NotImplementedError
+
+
+class HuggingFaceDirectory(PretrainedSource):
+    """A save_pretrained directory's safetensors files. The read after set-up is DCP's
+    `HuggingFaceStorageReader`: it plans the read from the state dict each rank holds (whole tensors,
+    or DTensor shards) and copies the slices it asks for lazily, converting the dtype."""
+
+    def __init__(self, directory: str, to_checkpoint_name: Callable[[str], str]):
+        self.where, self._to_checkpoint_name = str(directory), to_checkpoint_name
+        self._files: Optional[list] = None
+
+    def names(self) -> set[str]:
+        return checkpoint_tensor_names(Path(self.where))
+
+    def checkpoint_name(self, name: str) -> str:
+        return self._to_checkpoint_name(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if self._files is None:  # each file opened (memory-mapped) once
+            self._files = [safe_open(str(f), framework="pt") for f in sorted(Path(self.where).glob("*.safetensors"))]
+        return next(f for f in self._files if name in f.keys()).get_tensor(name)
+
+    def load_into(self, module: nn.Module) -> list[str]:
+        return load_pretrained(module, self.where, self._to_checkpoint_name)
+
+
+class WeightsFile(PretrainedSource):
+    """A `model.weights` state dict file: `.safetensors` (read lazily), or torch.save's format, loaded
+    memory-mapped (`torch.load(mmap=True, weights_only=True)`): the file's pages are shared, clean page
+    cache, and each rank copies out only what it holds. Hand-written (no DCP reader reads a torch.save
+    file): each DTensor's local slice is cut from the mapped whole with `distribute_tensor(...,
+    src_data_rank=None)`, which slices without communicating."""
+
+    def __init__(self, path: str):
+        self.where = str(path)
+        self._state: Optional[dict] = None
+
+    def _tensors(self) -> dict:
+        if self._state is None:
+            if self.where.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                handle = safe_open(self.where, framework="pt")
+                self._state = {name: _Lazy(handle, name) for name in handle.keys()}
+            else:
+                try:
+                    state = torch.load(self.where, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # torch.save's legacy (non-zip) format cannot be mapped: a private copy
+                    state = torch.load(self.where, map_location="cpu", weights_only=True)
+                self._state = unwrap_state_dict(state)
+        return self._state
+
+    def names(self) -> set[str]:
+        return set(self._tensors())
+
+    def read(self, name: str) -> torch.Tensor:
+        value = self._tensors()[name]
+        return value.get() if isinstance(value, _Lazy) else value
+
+    def load_into(self, module: nn.Module) -> list[str]:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        names, left = self.names(), []
+        with torch.no_grad():
+            for name, target in module.state_dict(keep_vars=True).items():
+                if name not in names:
+                    left.append(name)
+                    continue
+                whole = self.read(name)
+                if isinstance(target, DTensor):
+                    mine = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+                    target.to_local().copy_(mine.to_local())
+                else:
+                    target.copy_(whole)
+        return left
+
+
+class _Lazy:
+    """A tensor of an open safetensors file, read when asked for."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+
+    def get(self) -> torch.Tensor:
+        return self.handle.get_tensor(self.name)
+
+
+def unwrap_state_dict(state):
+    """The state dict inside a saved object: itself, or its "model" / "state_dict" entry (training
+    scripts' checkpoints)."""
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            return state[key]
+    return state
+
+
+def pretrained_source(model: nn.Module) -> Optional[PretrainedSource]:
+    """The weights `model` was built without and still needs (a pretrained directory, or a weights file
+    when the model was built on the meta device); None when it has them, or has none to get."""
+    directory = getattr(model, "pretrained_dir", None)
+    if directory:
+        return HuggingFaceDirectory(directory, model.pretrained_name)
+    weights = getattr(model, "weights_file", None)
+    return WeightsFile(weights) if weights else None
 
 
 def filled_by_pretrained(model: nn.Module) -> frozenset:
     """The parameters (by owning module and name, as runtime.materialize names them) that the model's
-    pretrained directory holds: read after set-up, so a model built on the meta device need not give
-    them values first. Empty for a model without a pretrained directory."""
-    directory = getattr(model, "pretrained_dir", None)
-    if not directory:
+    pretrained source holds: read later, so a model built on the meta device need not give them values
+    first. Empty for a model without one."""
+    source = pretrained_source(model)
+    if source is None:
         return frozenset()
     from .materialize import owners, parameter_name
 
-    present = checkpoint_tensor_names(Path(directory))
+    present = source.names()
     return frozenset(parameter_name(name, p) for name, module in owners(model) for p, v in module._parameters.items()
-                     if v is not None and model.pretrained_name(parameter_name(name, p)) in present)
+                     if v is not None and source.checkpoint_name(parameter_name(name, p)) in present)
 
 
 def load_pretrained(module: nn.Module, directory: str, to_checkpoint_name: Callable[[str], str]) -> list[str]:

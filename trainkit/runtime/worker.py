@@ -44,7 +44,7 @@ from .mesh import build_mesh
 from .model import build_initial_model
 from .nonfinite import NonFiniteError
 from .optim import build_optimizer, build_scheduler
-from .pretrained import load_pretrained, save_adapter
+from .pretrained import pretrained_source, save_adapter
 from .parent_watch import die_with_launcher, stop_when_launcher_falls_silent
 from .warnings_once import show_each_warning_once
 from .performance import float8_linears, prepare_model, set_backend_flags
@@ -81,16 +81,17 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
                           contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters)
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
-    pretrained_dir = getattr(model, "pretrained_dir", None)
-    read_at_build = bool(pretrained_dir) and init == "seeded" and strategy.capabilities.pretrained_read_at_materialize
-    read_before_setup = bool(pretrained_dir) and not read_at_build and strategy.capabilities.pretrained_before_setup
+    pretrained = pretrained_source(model)  # weights the model was built without (runtime.pretrained)
+    read_at_build = pretrained is not None and init == "seeded" and \
+        strategy.capabilities.pretrained_read_at_materialize
+    read_before_setup = pretrained is not None and not read_at_build and strategy.capabilities.pretrained_before_setup
     if read_at_build:
-        phases.say(f"weights read from {pretrained_dir} (one module gathered at a time)")
+        phases.say(f"weights read from {pretrained.where} (one module gathered at a time)")
     if read_before_setup:  # the engine copies the weights at set-up (a resume's checkpoint replaces them later)
-        load_pretrained(model, pretrained_dir, model.pretrained_name)
-        phases.say(f"weights read from {pretrained_dir}")
+        pretrained.load_into(model)
+        phases.say(f"weights read from {pretrained.where}")
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
-    if pretrained_dir:
+    if pretrained is not None:
         init = "pretrained"
     scheduler = build_scheduler(recipe.scheduler, optimizer, recipe.trainer.max_steps)
     phases.say(f"model built and placed ({init} weights, strategy {recipe.strategy.name})")
@@ -108,11 +109,10 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     source = resume.decide_on_ranks(strategy, run_dir, ckpt_dir, recipe.trainer.resume, restart)
     state = TrainState()
-    if source is None and pretrained_dir and not (read_before_setup or read_at_build):  # each rank reads its own slices; a resume
-        # reads the checkpoint instead
-        bare = strategy.unwrap(model)
-        load_pretrained(bare, pretrained_dir, bare.pretrained_name)
-        phases.say(f"weights read from {pretrained_dir}")
+    if source is None and pretrained is not None and not (read_before_setup or read_at_build):  # each rank reads
+        # its own slices; a resume reads the checkpoint instead
+        pretrained.load_into(strategy.unwrap(model))
+        phases.say(f"weights read from {pretrained.where}")
     if source is not None:
         state = restore_trainer_state(checkpointer.load(source, model, optimizer), scheduler, precision)
         if rank == 0:

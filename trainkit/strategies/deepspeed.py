@@ -25,7 +25,7 @@ from ..runtime.files import fsync_save
 from ..runtime.materialize import after_seeded_init, check_seedable, owners, parameter_name, seeded_values
 from ..runtime.memory_trace import largest_unit_of
 from ..runtime.performance import apply_activation_checkpointing, compile_kwargs
-from ..runtime.pretrained import PretrainedTensors
+from ..runtime.pretrained import pretrained_source
 from .base import Strategy, replicated_buffers
 from .deepspeed_checkpoint import load_mapped, settle
 from .deepspeed_import import import_deepspeed
@@ -175,7 +175,7 @@ class DeepSpeedStrategy(Strategy):
             return super().materialize(model, seed, filled)
         deepspeed = import_deepspeed()
         check_seedable(model, filled)
-        stored = PretrainedTensors(model.pretrained_dir) if filled and self.rank == 0 else None
+        stored = pretrained_source(model) if filled else None
         for name, module in owners(model):
             own = {pname: p for pname, p in module._parameters.items() if p is not None}
             pretrained = {pname for pname in own if parameter_name(name, pname) in filled}
@@ -184,12 +184,16 @@ class DeepSpeedStrategy(Strategy):
                 for pname, parameter in own.items():
                     if pname not in pretrained:
                         parameter.copy_(values[pname])
-                    elif stored is not None:  # rank 0's values are the ones DeepSpeed keeps
-                        parameter.copy_(stored.read(model.pretrained_name(parameter_name(name, pname))))
+                    elif self.rank == 0:  # rank 0's values are the ones DeepSpeed keeps
+                        parameter.copy_(stored.read(stored.checkpoint_name(parameter_name(name, pname))))
         if filled:  # what the checkpoint does not hold (LoRA's adapters: small) gathered at once for the model's hook
             rest = [p for pname, p in model.named_parameters() if pname not in filled]
             with deepspeed.zero.GatheredParameters(rest, modifier_rank=0), torch.no_grad():
                 after_seeded_init(model)
+                stored_names = stored.names()
+                for bname, buffer in model.named_buffers():  # not partitioned: every rank reads its own
+                    if stored.checkpoint_name(bname) in stored_names:
+                        buffer.copy_(stored.read(stored.checkpoint_name(bname)))
         return model
 
     def setup(self, model: nn.Module, optimizer_factory):

@@ -50,6 +50,11 @@ CASES = (
                "the same run with `model.init: constructor` (the whole fp32 model built on every rank first)",
                "tests/test_effects_transformer.py::test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_"
                "per_rank"),
+    EffectCase("weights-build/resnet50", "model.init: auto (a `model.weights` file under FSDP: built on the meta "
+               "device, each rank copies its slices out of the memory-mapped file)", "resnet50 (23.5 M, BatchNorm)",
+               "the same build with `model.init: constructor` (the whole model built and loaded on every rank first)",
+               "tests/test_effects_transformer.py::test_a_weights_file_under_fsdp_is_read_into_shards_without_a_whole_"
+               "copy_per_rank"),
     EffectCase("fsdp/resnet18", "fsdp (default units: the BasicBlocks)", "resnet18 (11.2 M, BatchNorm)",
                "the same run under DDP", "tests/test_effects_transformer.py::test_fsdp_shards_a_cnns_state_against_ddp"),
     EffectCase("fsdp/mlp", "fsdp", "mlp (19 M)", "the same run under DDP",
