@@ -127,17 +127,17 @@ def test_tilde_deletes_an_inherited_key_and_plus_adds_under_a_free_form_mapping(
         "data: {name: synthetic, batch_size: 8, num_samples: 64, shape: [8]}\n", ""))
     res = cli("validate", recipe, cwd=tmp_path)
     assert "r.yaml" not in res.stderr and "base/b.yaml:1:" in res.stderr and "prefetch_factor" in res.stderr
-    res = cli("validate", recipe, "~data.prefetch_factor", "+model.args.dropout=0.1", "trainer.grad_clip=1.0",
+    res = cli("validate", recipe, "~data.prefetch_factor", "+model.args.depth=3", "trainer.grad_clip=1.0",
               cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    res = cli("validate", recipe, "model.args.dropout=0.1", "~trainer.max_steps", "~data.nope", cwd=tmp_path)
+    res = cli("validate", recipe, "model.args.depth=3", "~trainer.max_steps", "~data.nope", cwd=tmp_path)
     assert res.stderr.splitlines() == [
         "override '~data.nope': data.nope: nothing to delete: the recipe has no such key"]
-    res = cli("validate", recipe, "model.args.dropout=0.1", "~trainer.max_steps", cwd=tmp_path)
+    res = cli("validate", recipe, "model.args.depth=3", "~trainer.max_steps", cwd=tmp_path)
     assert sorted(res.stderr.splitlines()) == sorted([
         "override '~trainer.max_steps': trainer.max_steps: required field missing (optimizer steps to train)",
-        "override 'model.args.dropout=0.1': model.args.dropout: model.args is a free-form mapping (keyword "
-        "arguments for the model factory) and has no key 'dropout'; to add it, write +model.args.dropout=0.1",
+        "override 'model.args.depth=3': model.args.depth: model.args is a free-form mapping (keyword "
+        "arguments for the model factory) and has no key 'depth'; to add it, write +model.args.depth=3",
     ])
 
 
