@@ -12,8 +12,8 @@ Two bounds, for both strategies:
 - the whole-life peak above the baseline stays below a DDP rank's full training state (4 x the
   parameters: parameters, gradients, two AdamW moments), and below the same run's under DDP (measured)
   by more than one copy of the parameters.
-FSDP runs a 19 M-parameter MLP (72 MiB). ZeRO-3 runs a 31.5 M-parameter one (120 MiB): at 19 M its
-fixed ~200 MiB per rank (5M-element buckets, the engine) would hide what scales with the model.
+Both run a 31.5 M-parameter MLP (120 MiB): at 19 M ZeRO-3's fixed ~200 MiB per rank (5M-element
+buckets, the engine) would hide what scales with the model.
 DeepSpeed's fp32 master copy of each rank's partition, which trainkit now shares with the parameter
 partition (strategies/deepspeed_master.py), put ZeRO-3 over the second bound.
 
@@ -99,13 +99,9 @@ def ddp_peaks_above_baseline(tmp, hidden: int, depth: int) -> list[int]:
     return [p["peak"] - p["baseline"] for p in peaks]
 
 
-MLP_19M = (2048, 5)  # hidden, depth: 19 M parameters, 72 MiB
-MLP_31M = (3072, 4)  # 31.5 M parameters, 120 MiB: at 19 M DeepSpeed's fixed ~200 MiB per rank hides the effect
-
-
-@pytest.fixture(scope="module")
-def ddp_19m(tmp_path_factory) -> list[int]:
-    return ddp_peaks_above_baseline(tmp_path_factory.mktemp("ddp-19m"), *MLP_19M)
+# hidden, depth: 31.5 M parameters, 120 MiB, every row's model (one DDP reference for all): at 19 M
+# DeepSpeed's fixed ~200 MiB per rank hid ZeRO-3's effect
+MLP_31M = (3072, 4)
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +127,11 @@ def assert_below_a_full_copy(peaks: list[dict], params: int, what: str, path, dd
         f"should save more than one copy of the parameters, {mib(4 * params)}")
 
 
-def test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ddp_19m):
-    path = recipe(tmp_path, {"name": "fsdp"}, *MLP_19M)
+def test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ddp_31m):
+    path = recipe(tmp_path, {"name": "fsdp"}, *MLP_31M)
     peaks = peaks_of_a_run(tmp_path, path, {})
-    assert_nothing_gathered_after_step_2(peaks, parameters(*MLP_19M))
-    assert_below_a_full_copy(peaks, parameters(*MLP_19M), "fsdp", path, ddp_19m)
+    assert_nothing_gathered_after_step_2(peaks, parameters(*MLP_31M))
+    assert_below_a_full_copy(peaks, parameters(*MLP_31M), "fsdp", path, ddp_31m)
 
 
 def test_zero3_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ext, ddp_31m):
@@ -147,19 +143,19 @@ def test_zero3_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ext, ddp_3
     assert_below_a_full_copy(peaks, params, "zero3", path, ddp_31m)
 
 
-def test_the_pipeline_holds_its_own_stage_per_rank(tmp_path, ddp_19m):
+def test_the_pipeline_holds_its_own_stage_per_rank(tmp_path, ddp_31m):
     """2 stages (split by parameters) on 2 ranks: each holds its half of the parameters with their
     gradients and AdamW's moments, where a DDP rank holds all of them and its gradient buckets. It must
     save more than one copy of the parameters (half of the four copies is two)."""
-    params = parameters(*MLP_19M)
-    path = recipe(tmp_path, {"name": "pipeline"}, *MLP_19M)
+    params = parameters(*MLP_31M)
+    path = recipe(tmp_path, {"name": "pipeline"}, *MLP_31M)
     above = [p["peak"] - p["baseline"] for p in peaks_of_a_run(tmp_path, path, {}, replicas=False)]
-    saved = min(ddp_19m) - max(above)
-    print(f"pipeline: above the baseline {[mib(b) for b in above]}, under ddp {[mib(b) for b in ddp_19m]}")
-    record_effect("pipeline/mlp", reference=ddp_19m, chosen=above, predicted_saving=lambda: planned_saving_against_ddp(path),
+    saved = min(ddp_31m) - max(above)
+    print(f"pipeline: above the baseline {[mib(b) for b in above]}, under ddp {[mib(b) for b in ddp_31m]}")
+    record_effect("pipeline/mlp", reference=ddp_31m, chosen=above, predicted_saving=lambda: planned_saving_against_ddp(path),
                   holds=saved > 4 * params, criterion=f"saves > the parameters, {mib(4 * params)}")
     assert saved > 4 * params, (
-        f"the pipeline saved {mib(saved)} per rank against DDP ({[mib(b) for b in ddp_19m]} -> "
+        f"the pipeline saved {mib(saved)} per rank against DDP ({[mib(b) for b in ddp_31m]} -> "
         f"{[mib(b) for b in above]}); each rank holding half of the model should save more than {mib(4 * params)}")
 
 
