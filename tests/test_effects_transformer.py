@@ -233,6 +233,37 @@ def test_fsdp_shards_a_cnns_state_against_ddp(tmp_path, resnet_under_ddp):
         f"sharding the state over 2 ranks should save more than half a copy of the parameters, {2 * params // MiB} MiB")
 
 
+def build_probe(tmp, path) -> dict:
+    """tests/pretrained_build_probe.py under torchrun on 2 ranks for the recipe at `path`: rank 0's high-water
+    marks (start, end of the build, after the read) and what the probe checked."""
+    import subprocess
+    import sys
+
+    from run_helpers import env_for
+
+    probe = Path(__file__).with_name("pretrained_build_probe.py")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(probe), str(path)], cwd=tmp, env=env_for(tmp), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def assert_built_as_shards(case: str, what: str, whole: dict, sharded: dict, params: int) -> None:
+    """Rank 0's build (start to the end of set-up) as shards must be lower than the whole build by more than a
+    quarter of the model's fp32 size; recorded as effect `case`."""
+    reference, chosen = [whole["built"] - whole["started"]], [sharded["built"] - sharded["started"]]
+    saved = reference[0] - chosen[0]
+    print(f"{what}, rank 0 at the end of the build: whole {reference[0] // MiB} MiB, as shards {chosen[0] // MiB} MiB "
+          f"above its start; after the read {whole['read'] // MiB} / {sharded['read'] // MiB} MiB; the model "
+          f"{4 * params // MiB} MiB")
+    record_effect(case, reference=reference, chosen=chosen, predicted_saving=None, holds=saved > params,
+                  criterion=f"saves > a quarter of the model's fp32 size, {params // MiB} MiB")
+    assert saved > params, (
+        f"building on the meta device saved {saved // MiB} MiB on rank 0 (whole {whole}, as shards {sharded}); the "
+        f"whole fp32 model is {4 * params // MiB} MiB")
+
+
 def test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_per_rank(tmp_path, corpus):
     """LoRA on a pretrained transformers Llama (27.7 M parameters, 106 MiB in fp32) under FSDP, 2 ranks:
     with `model.init: auto` the model is built on the meta device and each rank allocates only its shards
@@ -241,13 +272,8 @@ def test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_per_rank(tm
     read: tests/pretrained_build_probe.py under torchrun), rank 0's high-water mark must be lower by more
     than a quarter of the model. The read that follows maps the safetensors file (clean page-cache pages,
     counted in RSS while mapped) the same way in both: docs/models.md states it."""
-    import subprocess
-    import sys
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from run_helpers import env_for
 
     config, params = LLAMA_27M, LLAMA_27M_PARAMS
     folder = tmp_path / "pretrained"
@@ -260,26 +286,12 @@ def test_a_pretrained_model_under_fsdp_is_built_without_a_whole_copy_per_rank(tm
         path = transformer_recipe(tmp_path, name, corpus, model=model, data=data, family="hf_causal_lm",
                                   strategy={"name": "fsdp"})
         path.write_text(path.read_text().replace("init: constructor", f"init: {init}"))
-        probe = Path(__file__).with_name("pretrained_build_probe.py")
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(probe), str(path)], cwd=tmp_path, env=env_for(tmp_path), capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return build_probe(tmp_path, path)
 
     whole, sharded = build("built-whole", "constructor"), build("built-sharded", "auto")
     assert (whole["init"], sharded["init"]) == ("constructor", "seeded")
     assert whole["lora_b_max"] == sharded["lora_b_max"] == 0.0  # both start as the checkpoint (HFCausalLM.after_seeded_init)
-    reference, chosen = [whole["built"] - whole["started"]], [sharded["built"] - sharded["started"]]
-    saved = reference[0] - chosen[0]
-    print(f"pretrained llama + lora under fsdp, rank 0 at the end of the build: whole {reference[0] // MiB} MiB, "
-          f"as shards {chosen[0] // MiB} MiB above its start; after the read {whole['read'] // MiB} / "
-          f"{sharded['read'] // MiB} MiB; the model {4 * params // MiB} MiB")
-    record_effect("pretrained-build/hf-llama", reference=reference, chosen=chosen, predicted_saving=None,
-                  holds=saved > params, criterion=f"saves > a quarter of the model's fp32 size, {params // MiB} MiB")
-    assert saved > params, (
-        f"building on the meta device saved {saved // MiB} MiB on rank 0 (whole {whole}, as shards {sharded}); the "
-        f"whole fp32 model is {4 * params // MiB} MiB")
+    assert_built_as_shards("pretrained-build/hf-llama", "pretrained llama + lora under fsdp", whole, sharded, params)
 
 
 def test_a_weights_file_under_fsdp_is_read_into_shards_without_a_whole_copy_per_rank(tmp_path):
@@ -291,13 +303,8 @@ def test_a_weights_file_under_fsdp_is_read_into_shards_without_a_whole_copy_per_
     of the file in the model exactly (the shards gathered back); rank 0's high-water mark at the end of
     the build (before the sharded read) must be lower by more than a quarter of the model. Measured: 297 -> 122
     MiB."""
-    import subprocess
-    import sys
-
     import torch
     import torchvision
-
-    from run_helpers import env_for
 
     torch.manual_seed(0)
     trained = torchvision.models.resnet50(num_classes=10)
@@ -313,23 +320,9 @@ def test_a_weights_file_under_fsdp_is_read_into_shards_without_a_whole_copy_per_
         path = write_recipe(tmp_path, f"weights-{init}", RESNET_PRESET, strategy={"name": "fsdp"},
                             model={"name": "torchvision.resnet50", "args": {"num_classes": 10},
                                    "weights": str(tmp_path / "resnet50.pt"), "init": init})
-        probe = Path(__file__).with_name("pretrained_build_probe.py")
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(probe), str(path)], cwd=tmp_path, env=env_for(tmp_path), capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return build_probe(tmp_path, path)
 
     whole, sharded = build("constructor"), build("auto")
     assert (whole["init"], sharded["init"]) == ("constructor", "seeded")
     assert whole["weights_diff"] == sharded["weights_diff"] == 0.0  # every parameter and buffer, exactly
-    reference, chosen = [whole["built"] - whole["started"]], [sharded["built"] - sharded["started"]]
-    saved = reference[0] - chosen[0]
-    print(f"resnet50 weights file under fsdp, rank 0 at the end of the build: whole {reference[0] // MiB} MiB, "
-          f"as shards {chosen[0] // MiB} MiB above its start; after the read {whole['read'] // MiB} / "
-          f"{sharded['read'] // MiB} MiB; the model {4 * params // MiB} MiB")
-    record_effect("weights-build/resnet50", reference=reference, chosen=chosen, predicted_saving=None,
-                  holds=saved > params, criterion=f"saves > a quarter of the model's fp32 size, {params // MiB} MiB")
-    assert saved > params, (
-        f"building on the meta device saved {saved // MiB} MiB on rank 0 (whole {whole}, as shards {sharded}); the "
-        f"whole fp32 model is {4 * params // MiB} MiB")
+    assert_built_as_shards("weights-build/resnet50", "resnet50 weights file under fsdp", whole, sharded, params)
