@@ -100,12 +100,13 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_adapters_and_hands_back_a_pe
     steps = 4 if restarted else 3
     # the FSDP run also logs its model to MLflow (tracking.log_model): the merged model in MLflow's transformers
     # flavour (written from the consolidated checkpoint, as `export --hf` is in every case here)
-    logs_model = strategy == {"name": "fsdp"}
+    tp = strategy.get("tp", 1)  # a parallel: block, not a strategy option (the parametrized dict stays as it is)
+    strategy = {k: v for k, v in strategy.items() if k != "tp"}
+    logs_model = strategy == {"name": "fsdp"} and tp == 1
     tracking = {"enabled": True, "experiment": "lora", "log_model": True} if logs_model else {"enabled": False}
     env = {"TRAINKIT_FAULT_INJECT": "rank=1,step=3"} if restarted else {}
     if strategy["name"] == "deepspeed":
         env.update(deepspeed_env(request, tmp_path_factory))
-    tp = strategy.pop("tp", 1)
     _, run_dir = lora_run(tmp_path, f"lora-{strategy['name']}", block, pretrained, strategy, precision, steps,
                           tracking, parallel={"dp_shard": 1, "tp": tp} if tp > 1 else None, **env)
     assert summary(run_dir)["model_init"] == "pretrained"

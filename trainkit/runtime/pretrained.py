@@ -68,7 +68,7 @@ class HuggingFaceDirectory(PretrainedSource):
 
     def __init__(self, directory: str, to_checkpoint_name: Callable[[str], str]):
         self.where, self._to_checkpoint_name = str(directory), to_checkpoint_name
-        self._files: Optional[list] = None
+        self._where: Optional[dict] = None  # tensor name -> its open file
 
     def names(self) -> set[str]:
         return checkpoint_tensor_names(Path(self.where))
@@ -79,9 +79,10 @@ class HuggingFaceDirectory(PretrainedSource):
     def read(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        if self._files is None:  # each file opened (memory-mapped) once
-            self._files = [safe_open(str(f), framework="pt") for f in sorted(Path(self.where).glob("*.safetensors"))]
-        return next(f for f in self._files if name in f.keys()).get_tensor(name)
+        if self._where is None:  # each file opened (memory-mapped) once, its names listed once
+            files = [safe_open(str(f), framework="pt") for f in sorted(Path(self.where).glob("*.safetensors"))]
+            self._where = {key: f for f in files for key in f.keys()}
+        return self._where[name].get_tensor(name)
 
     def load_into(self, module: nn.Module) -> list[str]:
         return load_pretrained(module, self.where, self._to_checkpoint_name)
