@@ -107,13 +107,13 @@ def test_the_budget_holds_and_trials_are_child_runs_of_one_mlflow_run(tmp_path):
     recipe = mlp_recipe(tmp_path, "budgeted", tracking={"enabled": True, "experiment": "tune"}, **FAST, **ONE_PROCESS)
     start = time.monotonic()
     r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph,gradient_as_bucket_view", "--steps", "8",
-                 "--budget", "0.3")
+                 "--budget", "0.15")
     took = time.monotonic() - start
     assert r.returncode == 0, r.output
-    assert "budget of 0.3 min spent" in r.stdout
+    assert "budget of 0.15 min spent" in r.stdout
     trials = len(re.findall(r"^trainkit: tune: trial \d+: \S+: [\d.]+ samples/s$", r.stdout, re.M))
     one_trial = took / max(1, trials)
-    assert took <= 18 + one_trial + 15, (took, trials)  # the budget, one trial, and start-up/report time
+    assert took <= 9 + one_trial + 15, (took, trials)  # the budget, one trial, and start-up/report time
 
     from mlflow.tracking import MlflowClient
 
@@ -138,10 +138,10 @@ def test_with_mlflow_unreachable_nothing_is_lost_and_sync_delivers_the_tree_late
     uri = f"sqlite:///{tmp_path}/later/mlflow.db"
     recipe = mlp_recipe(tmp_path, "offline", tracking={"enabled": True, "experiment": "tune", "uri": uri}, **FAST,
                         **ONE_PROCESS)
-    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph", "--steps", "8", "--budget", "0.3")
+    r = trainkit(tmp_path, "tune", str(recipe), "--knobs", "static_graph", "--steps", "8", "--budget", "0.15")
     assert r.returncode == 0, r.output
     trials = re.findall(r"^trainkit: tune: trial \d+: (\S+): [\d.]+ samples/s$", r.stdout, re.M)
-    assert trials[0] == "baseline" and len(trials) >= 2, r.output  # room for pairs: trials of ~5 s
+    assert trials[0] == "baseline" and len(trials) >= 2, r.output  # room for pairs: trials of ~1 s
     dirs = re.search(r"deliver them with\n  trainkit sync (.+)$", r.stderr, re.M).group(1).split()
     assert len(dirs) == len(trials) + 1 and dirs[-1].endswith("/parent")
     assert all(Path(d, "tracking", "spool.jsonl").is_file() for d in dirs)

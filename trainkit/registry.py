@@ -66,6 +66,14 @@ def load(kind: str, name: str) -> Any:
                           f"{type(exc).__name__}: {exc}") from exc
 
 
+def module_of(kind: str, name: str) -> str:
+    """The module a plugin (or a `pkg.module:attr` model path) lives in, without importing it ("" if unknown)."""
+    if ":" in name:
+        return name.partition(":")[0]
+    ep = _entry_points(kind).get(name)
+    return ep.value.partition(":")[0] if ep is not None else ""
+
+
 def model_factory(fn: Any) -> Any:
     """Mark a function as a trainkit model factory, so recipes may name it by import path.
 
