@@ -49,6 +49,9 @@ faults never leak into another's run.
   buffer the other ranks hold with another value (buffer: like unsynchronised BatchNorm statistics).
 - TRAINKIT_FAULT_SLOW_CHECKPOINT="step=4,s=600,marks=DIR": every rank's checkpoint write of that step
   sleeps (tests/fault_checkpoint_write.py).
+- TRAINKIT_FAULT_HEARTBEAT="s=2": the launch lock's heartbeat (trainkit.launch.lock, 10 s) and the
+  silence its ranks wait for (runtime.parent_watch, 3 beats) on a faster clock, in every process of
+  the run, so a test of the silence rule waits 6 s instead of 30.
 - TRAINKIT_FAULT_PROBE_MEMORY=DIR: each rank writes DIR/memory-rank<R>.json as it leaves (`os._exit`,
   after the end-of-run checks): {"baseline": VmRSS once torch, trainkit's loop, FSDP, DCP and (with
   DS_ACCELERATOR set) DeepSpeed are imported, before the process group, model or data exist;
@@ -99,29 +102,59 @@ def attach(loop_cls) -> None:
 
 
 class _AttachAfterImport(importlib.abc.MetaPathFinder):
-    """Finds trainkit.runtime.loop like the rest of sys.meta_path would, and calls `attach` on its
-    Loop right after the module runs: start-up imports nothing (no torch) in processes that never
-    train (the launcher's helpers, compile workers)."""
+    """Finds each module of `after` like the rest of sys.meta_path would, and calls its function on
+    the module right after it runs: start-up imports nothing (no torch) in processes that never train
+    (the launcher's helpers, compile workers)."""
+
+    def __init__(self, after: dict):
+        self.after = dict(after)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != LOOP_MODULE:
+        if fullname not in self.after:
             return None
-        sys.meta_path.remove(self)  # once; and so that find_spec below asks the other finders
-        spec = importlib.util.find_spec(fullname)
+        then = self.after.pop(fullname)  # once; and so that find_spec below asks the other finders
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if self.after:
+                sys.meta_path.insert(0, self)
         exec_module = spec.loader.exec_module
 
         def exec_and_attach(module):
             exec_module(module)
-            attach(module.Loop)
-            install_memory_probe()
+            then(module)
 
         spec.loader.exec_module = exec_and_attach
         return spec
 
 
+def _attach_loop(module) -> None:
+    attach(module.Loop)
+    install_memory_probe()
+
+
+def _heartbeat_seconds() -> float:
+    return float(_fields(os.environ["TRAINKIT_FAULT_HEARTBEAT"])["s"])
+
+
+def _faster_lock(module) -> None:
+    """TRAINKIT_FAULT_HEARTBEAT="s=2": the launcher beats every 2 s instead of 10 s ..."""
+    module.HEARTBEAT_S = _heartbeat_seconds()
+
+
+def _faster_silence(module) -> None:
+    """... and its ranks take it as silent after 3 beats of that: the same rule on a faster clock."""
+    module.LOCK_HEARTBEAT_S = _heartbeat_seconds()
+    module.SILENT_AFTER_S = 3 * module.LOCK_HEARTBEAT_S
+
+
 def attach_on_import() -> None:
     """Called by tests/fault_hooks/sitecustomize.py at the start of every process of a faulty run."""
-    sys.meta_path.insert(0, _AttachAfterImport())
+    after = {LOOP_MODULE: _attach_loop}
+    if os.environ.get("TRAINKIT_FAULT_HEARTBEAT"):
+        after.update({"trainkit.launch.lock": _faster_lock, "trainkit.runtime.parent_watch": _faster_silence})
+    sys.meta_path.insert(0, _AttachAfterImport(after))
 
 
 def _fields(spec: str) -> dict:
