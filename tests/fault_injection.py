@@ -52,6 +52,8 @@ faults never leak into another's run.
 - TRAINKIT_FAULT_HEARTBEAT="s=2": the launch lock's heartbeat (trainkit.launch.lock, 10 s) and the
   silence its ranks wait for (runtime.parent_watch, 3 beats) on a faster clock, in every process of
   the run, so a test of the silence rule waits 6 s instead of 30.
+- TRAINKIT_FAULT_STOP_GRACE="s=5": on a stop, a background checkpoint write gets 5 s to finish
+  (runtime.checkpoint STOP_SAVE_WAIT_S, 20 s) before the rank leaves it.
 - TRAINKIT_FAULT_PROBE_MEMORY=DIR: each rank writes DIR/memory-rank<R>.json as it leaves (`os._exit`,
   after the end-of-run checks): {"baseline": VmRSS once torch, trainkit's loop, FSDP, DCP and (with
   DS_ACCELERATOR set) DeepSpeed are imported, before the process group, model or data exist;
@@ -134,6 +136,11 @@ def _attach_loop(module) -> None:
     install_memory_probe()
 
 
+def _shorter_stop_grace(module) -> None:
+    """TRAINKIT_FAULT_STOP_GRACE="s=5": a stop gives a background checkpoint write 5 s, not 20."""
+    module.STOP_SAVE_WAIT_S = float(_fields(os.environ["TRAINKIT_FAULT_STOP_GRACE"])["s"])
+
+
 def _heartbeat_seconds() -> float:
     return float(_fields(os.environ["TRAINKIT_FAULT_HEARTBEAT"])["s"])
 
@@ -152,6 +159,8 @@ def _faster_silence(module) -> None:
 def attach_on_import() -> None:
     """Called by tests/fault_hooks/sitecustomize.py at the start of every process of a faulty run."""
     after = {LOOP_MODULE: _attach_loop}
+    if os.environ.get("TRAINKIT_FAULT_STOP_GRACE"):
+        after["trainkit.runtime.checkpoint"] = _shorter_stop_grace
     if os.environ.get("TRAINKIT_FAULT_HEARTBEAT"):
         after.update({"trainkit.launch.lock": _faster_lock, "trainkit.runtime.parent_watch": _faster_silence})
     sys.meta_path.insert(0, _AttachAfterImport(after))

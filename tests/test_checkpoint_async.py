@@ -73,12 +73,12 @@ def test_the_run_ends_only_when_its_last_background_write_is_sealed(cells):
     assert not list((run["run_dir"] / "checkpoints").glob(".tmp-*"))
 
 
-def start_with_a_slow_step_4_write(tmp_path: Path, name: str, *, seconds: float) -> subprocess.Popen:
+def start_with_a_slow_step_4_write(tmp_path: Path, name: str, *, seconds: float, **faults: str) -> subprocess.Popen:
     """`trainkit run` of an FSDP async_save recipe whose step-4 background write sleeps `seconds` (the
     tests' fault hook), returned once both ranks are inside that write."""
     marks = tmp_path / "marks"
     recipe = write_recipe(tmp_path, name, ASYNC, strategy={"name": "fsdp"})
-    env = env_for(tmp_path, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step=4,s={seconds},marks={marks}")
+    env = env_for(tmp_path, TRAINKIT_FAULT_SLOW_CHECKPOINT=f"step=4,s={seconds},marks={marks}", **faults)
     proc = subprocess.Popen([sys.executable, "-m", "trainkit.cli", "run", str(recipe)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -146,18 +146,20 @@ def test_a_stop_during_a_background_write_lets_it_finish_and_seals_it(tmp_path):
 
 
 def test_a_stop_during_a_write_longer_than_the_grace_ends_within_it_and_reports_no_hang(tmp_path):
-    """issue 38 #4: the step-4 write sleeps 120 s, far past the 20 s a stop gives it (STOP_SAVE_WAIT_S).
-    Before, the ranks joined DCP's non-daemon writer thread at exit and only torchrun's SIGKILL at 30 s
-    ended them, and the hang watch wrote a false hang report meanwhile. Now the launcher and its
-    workers are gone within the grace plus a margin, no hang report is written, and the unfinished
-    step-4 folder is never taken for a checkpoint (step 2 stays the resume point)."""
+    """issue 38 #4: the step-4 write sleeps 120 s, far past the grace a stop gives it (STOP_SAVE_WAIT_S,
+    20 s; 5 s here through the tests' fault hook, the rule unchanged). Before, the ranks joined DCP's
+    non-daemon writer thread at exit and only torchrun's SIGKILL at 30 s ended them, and the hang watch
+    wrote a false hang report meanwhile. Now the launcher and its workers are gone within the grace plus
+    a margin, no hang report is written, and the unfinished step-4 folder is never taken for a checkpoint
+    (step 2 stays the resume point)."""
     import time
 
     from trainkit.run_dir import CHECKPOINTS, HANG, REPORTS
     from trainkit.runtime.resume import checkpoint_to_resume
-    from trainkit.runtime.worker import STOP_SAVE_WAIT_S
 
-    proc = start_with_a_slow_step_4_write(tmp_path, "long-write", seconds=120)
+    STOP_SAVE_WAIT_S = 5
+    proc = start_with_a_slow_step_4_write(tmp_path, "long-write", seconds=120,
+                                          TRAINKIT_FAULT_STOP_GRACE=f"s={STOP_SAVE_WAIT_S}")
     try:
         time.sleep(1.0)
         stopped_at = time.monotonic()

@@ -36,6 +36,8 @@ def recipe_hash(data: dict) -> str:
 
 
 RECIPE_FILE = CHECKPOINT_RECIPE  # the resolved recipe that trained up to this checkpoint (for drift checks)
+STOP_SAVE_WAIT_S = 20.0  # on a stop, how long a background checkpoint write may take to finish (torchrun's
+# grace before its SIGKILL is 30 s: the rank still leaves in time)
 
 
 def write_recipe(folder: Path, data: dict) -> None:
@@ -212,15 +214,15 @@ class Checkpointer:
         sealed, self._sealed = self._sealed, []
         return sealed
 
-    def finish_on_stop(self, timeout_s: float) -> None:
-        """A stop (SIGTERM/SIGINT: a preemption) with a save in flight: its write gets up to `timeout_s` to
+    def finish_on_stop(self) -> None:
+        """A stop (SIGTERM/SIGINT: a preemption) with a save in flight: its write gets up to STOP_SAVE_WAIT_S to
         finish and be sealed, so the newest checkpoint is not lost to the stop; one still writing after that
         is left unsealed (never complete-looking), as a synchronous save the stop interrupts."""
         if self.pending is None:
             return
         write = self.pending[0]
         try:
-            if write.wait(timeout_s):
+            if write.wait(STOP_SAVE_WAIT_S):
                 self.pending = None
         except BaseException:  # noqa: BLE001 -- it failed: the previous checkpoint stays the resume point
             self.pending = None

@@ -56,7 +56,6 @@ from .seeding import seed_everything, seed_replica
 from .timing import Clock, CommTimer, ForwardMarks
 
 
-STOP_SAVE_WAIT_S = 20.0  # on a stop, how long a background checkpoint write may take to finish
 
 
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
@@ -184,7 +183,7 @@ def _run_loop(loop: Loop, run_dir: Path, monitors, checkpointer: Checkpointer, s
     except BaseException as exc:
         if isinstance(exc, stop_signals.StopRequested):  # torchrun's grace before SIGKILL is 30 s
             progress_record.stopping()  # the bounded wait below is not a hang
-            checkpointer.finish_on_stop(STOP_SAVE_WAIT_S)
+            checkpointer.finish_on_stop()
         monitors.call("on_exception", exc)
         raise
     finally:
