@@ -24,6 +24,16 @@ def _isolated_caches(tmp_path, monkeypatch, _session_trainkit_cache):
     yield
 
 
+# --------------------------------------------------------------------------- the strategies' reference
+@pytest.fixture(scope="session")
+def single(tmp_path_factory) -> list[float]:
+    """The seeded MLP trained by one process at the 2-rank global batch: the trajectory the FSDP,
+    DeepSpeed and pipeline tests follow (strategy_runs.single_process_losses), trained once per session."""
+    from strategy_runs import single_process_losses
+
+    return single_process_losses(tmp_path_factory.mktemp("single"))
+
+
 # --------------------------------------------------------------------------- language-model runs
 # Shared by test_tasks_lm.py and test_strategies_lm.py: one corpus and one 1-rank reference run per session.
 @pytest.fixture(scope="session")

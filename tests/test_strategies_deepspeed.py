@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from run_helpers import losses, summary, trainkit, write_recipe
-from strategy_runs import RTOL, SEEDED_MLP, STEPS, deepspeed_env, resume_from_step_10, run, single_process_losses
+from strategy_runs import RTOL, SEEDED_MLP, STEPS, deepspeed_env, resume_from_step_10, run
 
 pytestmark = pytest.mark.distributed
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -27,11 +27,6 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 @pytest.fixture(scope="module")
 def ext(request, tmp_path_factory) -> dict:
     return deepspeed_env(request, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> list[float]:
-    return single_process_losses(tmp_path_factory.mktemp("single"))
 
 
 @pytest.fixture(scope="module")

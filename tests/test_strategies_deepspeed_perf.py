@@ -14,7 +14,7 @@ import json
 import pytest
 
 from run_helpers import losses, summary, write_recipe
-from strategy_runs import RTOL, SEEDED_MLP, deepspeed_env, run, single_process_losses
+from strategy_runs import RTOL, SEEDED_MLP, deepspeed_env, run
 
 pytestmark = pytest.mark.distributed
 
@@ -22,11 +22,6 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def ext(request, tmp_path_factory) -> dict:
     return deepspeed_env(request, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> list[float]:
-    return single_process_losses(tmp_path_factory.mktemp("single"))
 
 
 def _probe(folder, ranks=2) -> list[dict]:

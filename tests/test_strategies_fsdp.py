@@ -16,15 +16,10 @@ import torch
 from trainkit.runtime import host_allocator
 
 from run_helpers import losses, summary, trainkit, write_recipe
-from strategy_runs import RTOL, SEEDED_MLP, STEPS, resume_from_step_10, run, single_process_losses
+from strategy_runs import RTOL, SEEDED_MLP, STEPS, resume_from_step_10, run
 
 pytestmark = pytest.mark.distributed
 FSDP = {"name": "fsdp", "wrap": ["Linear"]}
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> list[float]:
-    return single_process_losses(tmp_path_factory.mktemp("single"))
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,10 @@ import pytest
 import torch
 
 from run_helpers import RESNET, losses, summary, trainkit, write_recipe
-from strategy_runs import RTOL, SEEDED_MLP, STEPS, resume_from_step_10, run, single_process_losses
+from strategy_runs import RTOL, SEEDED_MLP, STEPS, resume_from_step_10, run
 
 pytestmark = pytest.mark.distributed
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> list[float]:
-    return single_process_losses(tmp_path_factory.mktemp("single"))
 
 
 @pytest.fixture(scope="module")
