@@ -9,10 +9,13 @@ and a line of noise on the tune's console per trial.
 from __future__ import annotations
 
 import atexit
+import importlib
 import multiprocessing
 import os
 import sys
 import warnings
+
+from ..processes import CLI
 
 warnings.filterwarnings("ignore", message=r".*found in sys\.modules after import of package", category=RuntimeWarning,
                         module="runpy")
@@ -29,8 +32,8 @@ def main(arguments: list[str], log: str) -> None:
     # multiprocessing sets in its children (the DataLoader's workers would start from a forkserver of
     # their own and, not children of their rank, kill themselves: runtime.parent_watch)
     multiprocessing.set_start_method(None, force=True)
-    from ..cli import main as trainkit
-
+    # the `trainkit` command (processes.CLI) as `python -m` would run it: a process boundary, not an import
+    trainkit = importlib.import_module(CLI).main
     try:
         code = trainkit(arguments)
     finally:

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 from .. import registry
 from ..analysis import evidence as evidence_files
 from ..analysis.evidence import Evidence
-from ..processes import CLI
+from ..processes import CLI, WORKER
 from ..recipe.blocks.monitors import BreakdownMonitorOptions
 from ..run_dir import WARMUP_STEPS, measured_step_times, read_metrics, read_summary
 from . import trial_process
@@ -125,7 +125,7 @@ class TrialRunner:
 # What every `trainkit run` imports before its first step (torch._dynamo: DDP's and DeviceMesh's
 # constructors import it, and it brings sympy); the recipe's own plugins are added by `preload`.
 # A module missing here is imported by each trial itself; forkserver skips a preload that fails.
-RUN_MODULES = ["trainkit.launch.trial_process", "torch", "torch._dynamo", "trainkit.cli", "trainkit.launch.launcher", "trainkit.runtime.worker",
+RUN_MODULES = ["trainkit.launch.trial_process", "torch", "torch._dynamo", CLI, "trainkit.launch.launcher", WORKER,
                "trainkit.runtime.memory_trace"]
 
 TRACKING_MODULES = ["trainkit.tracking.delivery", "mlflow.tracking", "mlflow.entities",
