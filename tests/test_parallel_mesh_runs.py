@@ -94,7 +94,9 @@ RESHARDS = {
 
 # the matrix's 2-D cells, trained as the grid trains a cell (its recipe, its one-process reference)
 CELLS = {"cell-hsdp-2x2": Cell("fsdp", "transformer", "fp32", "none", "seeded", "dp_replicate-dp_shard"),
-         "cell-fsdp-tp-2x2": Cell("fsdp", "transformer", "fp32", "none", "seeded", "dp_shard-tp")}
+         "cell-fsdp-tp-2x2": Cell("fsdp", "transformer", "fp32", "none", "seeded", "dp_shard-tp"),
+         # LoRA adapters on a transformers Llama under HSDP (the Hugging Face family last in the launch)
+         "cell-hsdp-2x2-lora": Cell("fsdp", "hf-llama", "fp32", "lora", "constructor", "dp_replicate-dp_shard")}
 
 
 def _cell_runs(folder: Path) -> tuple[dict[str, dict], dict[str, dict]]:

@@ -67,6 +67,8 @@ MESH_ROWS: list[tuple[str, str, str, str, str, str]] = [
     # 2-D on 4 ranks: HSDP and FSDP x TP, 2 x 2 (the meshes the doctor and the bottleneck advice offer)
     ("fsdp", "transformer", "fp32", "none", "seeded", "dp_replicate-dp_shard"),
     ("fsdp", "transformer", "fp32", "none", "seeded", "dp_shard-tp"),
+    # LoRA under HSDP (issue 39): FSDP units of frozen and trainable parameters, replicated twice
+    ("fsdp", "hf-llama", "fp32", "lora", "constructor", "dp_replicate-dp_shard"),
     # 3-D on 8 ranks: pp 2 x dp_shard 2 x tp 2, clipping across stages and meshes
     ("pipeline", "transformer", "fp32", "grad_clip", "seeded", "pp-dp_shard-tp"),
     # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension,

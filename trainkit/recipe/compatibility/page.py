@@ -125,7 +125,8 @@ def _lora_section(pairs: list[Status], only_refused: dict, results: dict[str, An
              "unused-parameter check, ZeRO's partitions of a partly frozen model, and `trainkit export` of a "
              "checkpoint that holds optimizer state for the adapters only. Starting from a pretrained directory "
              "is verified separately (tests/test_pretrained_lora.py: FSDP, DDP, ZeRO-3, tensor parallel; "
-             "docs/models.md).", "", "| strategy | cell | status |", "|---|---|---|"]
+             "docs/models.md). LoRA under HSDP (dp_replicate 2 x dp_shard 2) is the `lora` row of the Meshes "
+             "table below.", "", "| strategy | cell | status |", "|---|---|---|"]
     for strategy in STRATEGIES:
         cells = [s for s in pairs if s.cell.option == "lora" and s.cell.strategy == strategy]
         refused = only_refused.get(("option", "lora", "strategy", strategy))
