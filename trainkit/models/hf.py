@@ -14,6 +14,7 @@ model family (`tensor_parallel_plan`). Needs the optional extra: `pip install 't
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -24,6 +25,7 @@ from .inputs import TokensWithPositions
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and QLoRA's) defaults: elements per scale, scales per scale
 MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 # what transformers' tokenizers save beside a model (`save_pretrained` of a tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -38,6 +40,33 @@ class HFCausalLM(nn.Module):
         self.model = model
 
     pretrained_dir: Optional[str] = None  # a local save_pretrained directory the runtime reads the weights from
+    quantized_base: Optional[str] = None  # "nf4": QLoRA, the adapted Linear layers' frozen weights in 4 bits
+
+    def quantize_frozen_base(self) -> int:
+        """QLoRA: replace the frozen weight of every Linear layer that carries LoRA adapters by torchao's NF4
+        tensor (4-bit NormalFloat in blocks of 64, with their scales: ~0.52 bytes per element instead of 4;
+        torchtune's QLoRA and bitsandbytes' nf4 use the same format). Called once the weights hold their
+        values (the pretrained read) and before the strategy wraps the model; each forward dequantizes a
+        layer's weight to the input's dtype (`linear_nf4`), so the adapters train in the run's precision.
+        Returns how many weights were quantized (0 without `quantize_base`)."""
+        if self.quantized_base != "nf4":
+            return 0
+        from torchao.quantization import to_nf4
+
+        count = 0
+        for module in self.model.modules():
+            base = getattr(module, "base_layer", None)
+            if getattr(module, "lora_A", None) is not None and isinstance(base, nn.Linear):
+                blocks, rest = divmod(base.weight.numel(), NF4_BLOCK)
+                if rest:
+                    continue  # not whole blocks of 64: stays in the run's precision (counted out)
+                # torchao quantizes the block scales again in groups of 256 (double quantization); a small
+                # layer with fewer scales takes the largest group that divides them
+                base.weight = nn.Parameter(to_nf4(base.weight.detach(), block_size=NF4_BLOCK,
+                                                  scaler_block_size=math.gcd(NF4_SCALER_BLOCK, blocks)),
+                                           requires_grad=False)
+                count += 1
+        return count
 
     def pretrained_name(self, parameter_name: str) -> str:
         """This module's state-dict name as the pretrained safetensors call it (`checkpoint_name`)."""
@@ -71,6 +100,7 @@ class HFCausalLM(nn.Module):
         import shutil
         from pathlib import Path
 
+        dequantize_base(self.model)  # a 4-bit base is merged (and saved) as its dequantized fp32 values
         model = self.model.merge_and_unload() if hasattr(self.model, "peft_config") else self.model
         model.config.use_cache = True  # trainkit trains without the KV cache; generation wants it
         model.save_pretrained(directory, safe_serialization=True)
@@ -153,7 +183,8 @@ def hf_causal_lm(*, config: Optional[dict[str, Any]] = None, pretrained: Optiona
     local `pretrained` directory as `save_pretrained` writes it (its config.json; the weights are read
     from its safetensors by the runtime after the strategy has placed the model: `runtime.pretrained`).
     `lora`: PEFT LoRA adapters on the modules named ({r, alpha, dropout, target_modules}); the base is
-    frozen."""
+    frozen, and with `quantize_base: nf4` (QLoRA) the adapted layers' base weights are held in 4 bits once
+    their values are in (`HFCausalLM.quantize_frozen_base`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if (config is None) == (pretrained is None):
@@ -171,10 +202,13 @@ def hf_causal_lm(*, config: Optional[dict[str, Any]] = None, pretrained: Optiona
     # fp32 master weights whatever dtype the checkpoint was saved in (its config's torch_dtype would
     # otherwise build a bf16 model): `precision:` decides the compute dtype, as for every model
     model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
-    if lora:
+    lora = dict(lora or {})
+    quantize_base = lora.pop("quantize_base", None)
+    if lora or quantize_base:
         model = with_lora(model, **lora)
     wrapped = HFCausalLM(model)
     wrapped.pretrained_dir = pretrained
+    wrapped.quantized_base = quantize_base
     return wrapped
 
 
@@ -187,6 +221,15 @@ def with_lora(model: nn.Module, *, r: int = 8, alpha: float = 16, dropout: float
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                         task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def dequantize_base(model: nn.Module) -> None:
+    """Turn NF4 weights (QLoRA's base) back into fp32 parameters in place (PEFT merges adapters into dense
+    weights only)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None and hasattr(weight, "get_original_weight"):  # torchao's NF4Tensor
+            module.weight = nn.Parameter(weight.get_original_weight().float(), requires_grad=False)
 
 
 def checkpoint_name(parameter_name: str) -> str:

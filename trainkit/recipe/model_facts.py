@@ -57,6 +57,10 @@ class ModelFacts:
         """The runtime reads pretrained weights into the built model (`runtime.pretrained`)."""
         return False
 
+    def quantized_base(self, args: dict) -> Optional[str]:
+        """The 4-bit format of a frozen base under adapters (QLoRA), when the args ask for one."""
+        return None
+
     def args_problems(self, args: dict) -> list[tuple[tuple, str]]:
         """(path under model.args, message) for what is wrong with `args` before anything is built (validate;
         no torch)."""
@@ -163,6 +167,10 @@ class TorchvisionFacts(ModelFacts):
 MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
+LORA_KEYS = {"r", "alpha", "dropout", "target_modules", "quantize_base"}
+QUANTIZED_BASES = ("nf4",)  # QLoRA's 4-bit NormalFloat (torchao), as torchtune and bitsandbytes
+
+
 class HFCausalLMFacts(ModelFacts):
     """trainkit.models.hf: a transformers causal LM built from `args.config` (not an nn.Sequential)."""
 
@@ -187,9 +195,16 @@ class HFCausalLMFacts(ModelFacts):
         if args.get("pretrained"):
             problems += [(("pretrained",), message) for message in directory_problems(str(args["pretrained"]))]
         lora = args.get("lora")
-        if lora is not None and (not isinstance(lora, dict) or set(lora) - {"r", "alpha", "dropout", "target_modules"}):
-            problems.append((("lora",), "lora takes {r, alpha, dropout, target_modules}"))
+        if lora is not None and (not isinstance(lora, dict) or set(lora) - LORA_KEYS):
+            problems.append((("lora",), "lora takes {" + ", ".join(sorted(LORA_KEYS)) + "}"))
+        elif lora and lora.get("quantize_base") not in (None, *QUANTIZED_BASES):
+            problems.append((("lora", "quantize_base"), f"quantize_base is one of {', '.join(QUANTIZED_BASES)} (or "
+                                                       "absent: the base in the run's precision)"))
         return problems
+
+    def quantized_base(self, args: dict) -> Optional[str]:
+        lora = args.get("lora")
+        return lora.get("quantize_base") if isinstance(lora, dict) else None
 
     def max_positions(self, args: dict) -> Optional[int]:
         config = args.get("config")

@@ -180,6 +180,25 @@ def model_args_are_usable(r: Recipe) -> Iterator[Finding]:
 
 
 @rule
+def quantized_base_fits_the_run(r: Recipe) -> Iterator[Finding]:
+    """QLoRA (a frozen NF4 base under LoRA adapters): only where each rank keeps its whole model as built."""
+    quantized = facts_for(r.model.name).quantized_base(dict(r.model.args))
+    if not quantized:
+        return
+    where = ("model", "args", "lora", "quantize_base")
+    why = r.strategy.capabilities().quantized_base_refusal
+    if why:
+        yield where, (f"quantize_base: {quantized} with strategy {r.strategy.name} is refused: {why}; use strategy ddp "
+                      "(one process or data parallel), or drop quantize_base")
+    if r.parallel is not None and isinstance(r.parallel.tp, int) and r.parallel.tp > 1:
+        yield where, (f"quantize_base: {quantized} with tensor parallel is refused: an NF4 weight cannot be split "
+                      "into DTensor shards here; set parallel.tp: 1, or drop quantize_base")
+    if r.performance.compile:
+        yield where, (f"quantize_base: {quantized} with performance.compile is refused: not verified (torchao's NF4 "
+                      "linear under dynamo); set performance.compile: false")
+
+
+@rule
 def split_strategies_need_a_splittable_model(r: Recipe) -> Iterator[Finding]:
     if r.strategy.capabilities().splits_model and not facts_for(r.model.name).splits_into_stages:
         yield ("strategy", "name"), (f"the {r.strategy.name} strategy splits an nn.Sequential of blocks at module "

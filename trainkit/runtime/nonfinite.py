@@ -62,6 +62,8 @@ class NonFiniteGuard:
         """Whether every rank's weights are finite (a collective)."""
         bad = torch.zeros((), dtype=torch.int64, device=device)
         for t in tensors:
+            if frozen_quantized(t):  # QLoRA's NF4 base: no float values to check, and training never writes it
+                continue
             if t.is_floating_point() and t.numel():
                 bad = bad | (~torch.isfinite(t)).any().to(device=device, dtype=torch.int64)
         return int(_max_over_ranks(strategy, bad).item()) == 0
@@ -96,3 +98,11 @@ def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for buffer, copy in saved:
             buffer.copy_(copy)
+
+
+def frozen_quantized(t: torch.Tensor) -> bool:
+    """A frozen weight held by a quantized tensor subclass (torchao's NF4: QLoRA's base), not a DTensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return not t.requires_grad and is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor)

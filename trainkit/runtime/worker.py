@@ -83,12 +83,18 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
     pretrained = pretrained_source(model)  # weights the model was built without (runtime.pretrained)
     read_at_build = pretrained is not None and init == "seeded" and \
         strategy.capabilities.pretrained_read_at_materialize
-    read_before_setup = pretrained is not None and not read_at_build and strategy.capabilities.pretrained_before_setup
+    quantize_base = getattr(model, "quantize_frozen_base", None)  # QLoRA: the base in 4 bits, before wrapping
+    quantizes = quantize_base is not None and bool(getattr(model, "quantized_base", None))
+    read_before_setup = pretrained is not None and not read_at_build and \
+        (strategy.capabilities.pretrained_before_setup or quantizes)  # a base is read before it is quantized
     if read_at_build:
         phases.say(f"weights read from {pretrained.where} (one module gathered at a time)")
     if read_before_setup:  # the engine copies the weights at set-up (a resume's checkpoint replaces them later)
         pretrained.load_into(model)
         phases.say(f"weights read from {pretrained.where}")
+    if quantizes:
+        phases.say(f"base quantized: {quantize_base()} adapted Linear weights held in 4 bits "
+                   f"({model.quantized_base}, torchao)")
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(recipe.optimizer, params))
     if pretrained is not None:
         init = "pretrained"

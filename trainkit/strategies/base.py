@@ -17,6 +17,8 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..recipe.blocks import PerformanceOptions
 from ..runtime.materialize import materialize, parameters_on_meta
@@ -41,6 +43,11 @@ def hash_tensor(h, name: str, t: torch.Tensor) -> None:
     """Add a named tensor's exact bytes (as this process holds them) to a hash, read in place (no
     bytes copy of a host tensor that is already contiguous)."""
     h.update(name.encode())
+    if is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor):  # e.g. QLoRA's NF4 base: its stored parts
+        for inner in t.__tensor_flatten__()[0]:
+            part = getattr(t, inner).detach().reshape(-1).clone(memory_format=torch.contiguous_format)
+            hash_tensor(h, f"{name}.{inner}", part)  # (a part may be a one-element view with a large stride)
+        return
     h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
 
 

@@ -10,6 +10,7 @@ from typing import ContextManager, Iterator
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..recipe.blocks import DDPOptions
 from ..runtime.files import fsync_save
@@ -47,6 +48,10 @@ class DDPStrategy(Strategy):
         compile_module(model, perf.compile_options)  # DDP(compiled): torch.compile(DDP(m)) compiles nothing
         ids = [self.device.index] if self.device.type == "cuda" else None
         o = self.options
+        # a frozen 4-bit base (QLoRA: torchao NF4 tensors) is neither broadcast nor reduced: c10d cannot
+        # broadcast a tensor subclass, and every rank read the same weights and quantized them alike
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [
+            name for name, p in model.named_parameters() if not p.requires_grad and is_traceable_wrapper_subclass(p)])
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=o.bucket_cap_mb, static_graph=o.static_graph,
                   gradient_as_bucket_view=o.gradient_as_bucket_view,
                   find_unused_parameters=o.find_unused_parameters)

@@ -30,7 +30,8 @@ class DDPOptions(StrategyOptions):
         return "DDP: every GPU holds the whole model; gradients are averaged (the fastest when the model fits)"
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(bucketed_allreduce=True, unsupported_performance={}, background_save_refusal="")
+        return Capabilities(bucketed_allreduce=True, unsupported_performance={}, background_save_refusal="",
+                            quantized_base_refusal="")
 
     def memory_layout(self, world_size: int) -> MemoryLayout:
         # every rank a whole replica; the reducer's buckets copy the gradients unless they are its views

@@ -82,6 +82,9 @@ class Capabilities:
     pretrained_read_at_materialize: a model built partitioned (`empty_init`) gets the directory's weights in
         `materialize`, module by module, instead of a later read (ZeRO-3: its partitions are not tensors a
         state-dict reader can fill; each module is gathered once, as for seeded values).
+    quantized_base_refusal: why the strategy cannot train adapters on a 4-bit frozen base (QLoRA,
+        `model.args.lora.quantize_base`: torchao NF4 tensors) ("": it keeps each rank's whole model as built,
+        and never broadcasts, shards or partitions the frozen base).
     background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
         ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
     effect: what a user picks the strategy for (docs/compatibility.md, "Effects", lists it with the measured
@@ -104,6 +107,8 @@ class Capabilities:
     pretrained_load_refusal: str = ""
     pretrained_before_setup: bool = False
     pretrained_read_at_materialize: bool = False
+    quantized_base_refusal: str = ("not verified: an NF4 base must be sharded or partitioned as NF4 (FSDP2's "
+                                   "all-gather extension, which trainkit does not wire)")
     background_save_refusal: str = ("its checkpoint is not declared to be the model's and optimizer's DCP state "
                                     "dicts (Capabilities.background_save_refusal), which is what a background "
                                     "write saves")
