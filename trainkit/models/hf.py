@@ -49,24 +49,25 @@ class HFCausalLM(nn.Module):
         values (the pretrained read) and before the strategy wraps the model; each forward dequantizes a
         layer's weight to the input's dtype (`linear_nf4`), so the adapters train in the run's precision.
         Returns how many weights were quantized (0 without `quantize_base`)."""
-        if self.quantized_base != "nf4":
-            return 0
         from torchao.quantization import to_nf4
 
-        count = 0
-        for module in self.model.modules():
-            base = getattr(module, "base_layer", None)
-            if getattr(module, "lora_A", None) is not None and isinstance(base, nn.Linear):
-                blocks, rest = divmod(base.weight.numel(), NF4_BLOCK)
-                if rest:
-                    continue  # not whole blocks of 64: stays in the run's precision (counted out)
-                # torchao quantizes the block scales again in groups of 256 (double quantization); a small
-                # layer with fewer scales takes the largest group that divides them
-                base.weight = nn.Parameter(to_nf4(base.weight.detach(), block_size=NF4_BLOCK,
-                                                  scaler_block_size=math.gcd(NF4_SCALER_BLOCK, blocks)),
-                                           requires_grad=False)
-                count += 1
-        return count
+        layers = self.quantized_base_layers()
+        for base in layers:
+            # torchao quantizes the block scales again in groups of 256 (double quantization); a small layer
+            # with fewer scales takes the largest group that divides them
+            base.weight = nn.Parameter(to_nf4(base.weight.detach(), block_size=NF4_BLOCK, scaler_block_size=math.gcd(
+                NF4_SCALER_BLOCK, base.weight.numel() // NF4_BLOCK)), requires_grad=False)
+        return len(layers)
+
+    def quantized_base_layers(self) -> list[nn.Linear]:
+        """The Linear layers whose frozen weight `quantize_frozen_base` holds in 4 bits (what the memory plan
+        counts at ~0.52 bytes per element): those carrying LoRA adapters, with whole blocks of 64 elements (a
+        layer without stays in the run's precision); none without `quantize_base`."""
+        if self.quantized_base != "nf4":
+            return []
+        return [module.base_layer for module in self.model.modules()
+                if getattr(module, "lora_A", None) is not None and isinstance(getattr(module, "base_layer", None), nn.Linear)
+                and module.base_layer.weight.numel() % NF4_BLOCK == 0]
 
     def pretrained_name(self, parameter_name: str) -> str:
         """This module's state-dict name as the pretrained safetensors call it (`checkpoint_name`)."""

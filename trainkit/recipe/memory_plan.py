@@ -43,6 +43,7 @@ class ModelSizes:
     largest_unit_name: str = ""  # the class of the largest unit (TransformerBlock, Bottleneck, ...)
     blocks: int = 0  # how many blocks the model has (units FSDP shards, blocks checkpointing recomputes)
     trainable: Optional[int] = None  # elements that train (LoRA: the adapters); None: all of them
+    quantized: int = 0  # frozen elements held in 4 bits (QLoRA's NF4 base), among `parameters`
 
 
 @dataclass(frozen=True)
@@ -176,9 +177,12 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     offloaded_state = "host" if L.offload_optimizer else "device"
     T = P if sizes.trainable is None else sizes.trainable  # frozen weights have no gradients or optimizer state
     frozen = "" if T == P else " (trainable only)"
+    Q = sizes.quantized  # NF4: 4 bits, an int8 scale per 64 elements, an fp32 scale per 64 x 256
+    held = (P - Q) * stored + Q // 2 + Q // 64 + Q // 4096
+    in_4_bits = f" ({Q:,} of them in 4 bits: NF4, ~0.52 B each)" if Q else ""
     parts = [
-        Part("parameters", P * stored // L.parameters, offloaded_params,
-             f"{P:,} x {stored} B / {L.parameters}"),
+        Part("parameters", held // L.parameters, offloaded_params,
+             f"{P - Q:,} x {stored} B / {L.parameters}{in_4_bits}" if Q else f"{P:,} x {stored} B / {L.parameters}"),
         Part("gradients", T * stored // L.gradients, offloaded_state,
              f"{T:,} x {stored} B / {L.gradients}{frozen}"),
     ]
@@ -191,8 +195,8 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     if s.optimizer_tensors:
         parts.append(Part("optimizer state", T * FP32 * s.optimizer_tensors // L.optimizer, offloaded_state,
                           f"{T:,} x {s.optimizer_tensors} x 4 B / {L.optimizer}{frozen}"))
-    if L.gradient_bucket_elements:
-        bucket = min(P, max(L.gradient_bucket_elements, min(sizes.largest_unit, 500_000_000))
+    if L.gradient_bucket_elements:  # only what trains has gradients to bucket (LoRA: the adapters)
+        bucket = min(T, max(L.gradient_bucket_elements, min(sizes.largest_unit, 500_000_000))
                      if L.gradient_bucket_per_unit and s.device_type == "cuda" else L.gradient_bucket_elements)
         parts.append(Part("gradient buckets", bucket * stored, "device",
                           f"{bucket:,} x {stored} B (gradients copied into communication buckets)"))
