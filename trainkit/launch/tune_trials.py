@@ -8,7 +8,7 @@ of its bottleneck report) is read before its run directory is removed.
 Each trial is its own process in its own session, forked from one multiprocessing forkserver that
 imported torch and trainkit's run path once (`set_forkserver_preload`, the standard library's
 mechanism): a fresh interpreter per trial spent ~3 s of a 12-step trial importing the same modules
-(~0.3 s forked; docs/tune.md). A fork keeps what a subprocess gave: a separate address space, its
+(~0.45 s forked; docs/tune.md). A fork keeps what a subprocess gave: a separate address space, its
 own session to stop (SIGTERM, then SIGKILL, to the whole group), its output in its own log file.
 """
 
