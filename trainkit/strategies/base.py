@@ -17,11 +17,10 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..recipe.blocks import PerformanceOptions
 from ..runtime.materialize import materialize, parameters_on_meta
+from ..runtime.nonfinite import frozen_quantized
 
 
 def replicated_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -43,7 +42,7 @@ def hash_tensor(h, name: str, t: torch.Tensor) -> None:
     """Add a named tensor's exact bytes (as this process holds them) to a hash, read in place (no
     bytes copy of a host tensor that is already contiguous)."""
     h.update(name.encode())
-    if is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor):  # e.g. QLoRA's NF4 base: its stored parts
+    if frozen_quantized(t):  # QLoRA's NF4 base: its stored parts
         for inner in t.__tensor_flatten__()[0]:
             part = getattr(t, inner).detach().reshape(-1).clone(memory_format=torch.contiguous_format)
             hash_tensor(h, f"{name}.{inner}", part)  # (a part may be a one-element view with a large stride)
