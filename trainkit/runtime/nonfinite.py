@@ -102,7 +102,10 @@ def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def frozen_quantized(t: torch.Tensor) -> bool:
     """A frozen weight held by a quantized tensor subclass (torchao's NF4: QLoRA's base), not a DTensor."""
-    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    return not t.requires_grad and is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor)
+    if t.requires_grad or not is_traceable_wrapper_subclass(t):
+        return False  # a plain tensor: nothing more to import (an export measures its own memory)
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(t, DTensor)
