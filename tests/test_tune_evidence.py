@@ -99,3 +99,22 @@ def test_knobs_tune_drops_are_listed_in_its_report_with_the_reason(gpu_run, tmp_
     assert "Not pointed at by the baseline's advice (name them with --knobs to try them): " in text
     assert "batch_size" in text.split("Not pointed at")[1]
     assert "skipped comm_hook" in capsys.readouterr().out  # and on the console as it happens
+
+
+def test_a_trial_whose_process_cannot_start_is_a_failed_trial_with_the_reason(tmp_path, monkeypatch):
+    """The forkserver the trials fork from can fail to start (a plugin that raises on import) or die: the
+    trial is reported failed with the reason, as a trial that exits non-zero is, never a traceback."""
+    from types import SimpleNamespace
+
+    from trainkit.launch.tune_plan import Arm
+
+    def cannot_start(*args, **kwargs):
+        raise EOFError("the forkserver closed its socket")
+
+    monkeypatch.setattr(tune_trials, "_start", cannot_start)
+    recipe = SimpleNamespace(name="r", monitors=[], task=None, data=None, strategy=None,
+                             model=SimpleNamespace(name="mlp"), tracking=SimpleNamespace(enabled=False))
+    runner = tune_trials.TrialRunner(SimpleNamespace(raw={}, recipe=recipe), "r.yaml", [], 5, tmp_path, None)
+    trial = runner.run(1, Arm("baseline"), timeout=10)
+    assert trial.samples_per_s is None and trial.code == 1
+    assert "could not start the trial's process (EOFError: the forkserver closed its socket)" in trial.error

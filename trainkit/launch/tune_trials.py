@@ -84,14 +84,20 @@ class TrialRunner:
         name = f"{self.resolved.recipe.name[:50]}-t{index:02d}-{slug}"
         run_dir = self.workdir / "trials" / name
         log = self.workdir / f"{name}.log"
-        if not self.started:  # the forkserver's imports, once: not part of the first trial's time
-            _wait(_start(trial_process.ready, (), preload(self.resolved.recipe)), timeout)
-            self.started = True
         print(f"trainkit: tune: trial {index}: {arm}", flush=True)
-        start = time.monotonic()
+        try:
+            if not self.started:  # the forkserver's imports, once: not part of the first trial's time
+                _wait(_start(trial_process.ready, (), preload(self.resolved.recipe)), timeout)
+                self.started = True
+            start = time.monotonic()
+            proc = _start(trial_process.main, (self.arguments(name, change.overrides()), str(log)),
+                          preload(self.resolved.recipe))
+        except (OSError, EOFError) as exc:  # the forkserver could not start, or died: a failed trial, said
+            trial = Trial(arm, name, 1, 0.0, error=f"could not start the trial's process ({type(exc).__name__}: "
+                                                   f"{exc}); a plugin that fails on import stops the forkserver")
+            print(f"trainkit: tune: trial {index}: {arm}: failed: {trial.error}", file=sys.stderr, flush=True)
+            return trial
         timed_out = False
-        proc = _start(trial_process.main, (self.arguments(name, change.overrides()), str(log)),
-                      preload(self.resolved.recipe))
         try:
             code = _wait(proc, timeout)
             if code is None:
