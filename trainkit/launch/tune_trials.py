@@ -60,7 +60,7 @@ class TrialRunner:
         self.resolved, self.recipe_path, self.overrides = resolved, recipe_path, list(overrides)
         self.steps, self.workdir, self.parent = steps, workdir, parent
         self.kept_dirs: list[Path] = []
-        self.started = False  # the forkserver has imported the run path
+        self.modules: list[str] = []  # what the forkserver imports once, at the first trial
 
     def command(self, name: str, overrides: Sequence[str]) -> list[str]:
         """The trial as a `trainkit` command line (what its process runs, and what a user can rerun)."""
@@ -86,12 +86,11 @@ class TrialRunner:
         log = self.workdir / f"{name}.log"
         print(f"trainkit: tune: trial {index}: {arm}", flush=True)
         try:
-            if not self.started:  # the forkserver's imports, once: not part of the first trial's time
-                _wait(_start(trial_process.ready, (), preload(self.resolved.recipe)), timeout)
-                self.started = True
+            if not self.modules:  # the forkserver's imports, once: not part of the first trial's time
+                self.modules = preload(self.resolved.recipe)
+                _wait(_start(trial_process.ready, (), self.modules), timeout)
             start = time.monotonic()
-            proc = _start(trial_process.main, (self.arguments(name, change.overrides()), str(log)),
-                          preload(self.resolved.recipe))
+            proc = _start(trial_process.main, (self.arguments(name, change.overrides()), str(log)), self.modules)
         except (OSError, EOFError) as exc:  # the forkserver could not start, or died: a failed trial, said
             trial = Trial(arm, name, 1, 0.0, error=f"could not start the trial's process ({type(exc).__name__}: "
                                                    f"{exc}); a plugin that fails on import stops the forkserver")

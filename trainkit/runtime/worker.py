@@ -56,8 +56,6 @@ from .seeding import seed_everything, seed_replica
 from .timing import Clock, CommTimer, ForwardMarks
 
 
-
-
 def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device) -> dict:
     """Build the components from the recipe and run the loop; returns the summary (rank 0 meaningful).
     `recipe_data` is the resolved recipe with secrets redacted: what checkpoints record for drift checks."""

@@ -10,10 +10,10 @@ from typing import ContextManager, Iterator
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..recipe.blocks import DDPOptions
 from ..runtime.files import fsync_save
+from ..runtime.nonfinite import frozen_quantized
 from ..runtime.performance import apply_activation_checkpointing, compile_module
 from ..runtime.timing import timed_hook
 from .base import Strategy
@@ -51,7 +51,7 @@ class DDPStrategy(Strategy):
         # a frozen 4-bit base (QLoRA: torchao NF4 tensors) is neither broadcast nor reduced: c10d cannot
         # broadcast a tensor subclass, and every rank read the same weights and quantized them alike
         DDP._set_params_and_buffers_to_ignore_for_model(model, [
-            name for name, p in model.named_parameters() if not p.requires_grad and is_traceable_wrapper_subclass(p)])
+            name for name, p in model.named_parameters() if frozen_quantized(p)])
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=o.bucket_cap_mb, static_graph=o.static_graph,
                   gradient_as_bucket_view=o.gradient_as_bucket_view,
                   find_unused_parameters=o.find_unused_parameters)
