@@ -285,10 +285,12 @@ def test_packed_chat_data_is_evaluated_exactly_as_one_conversation_per_sequence(
     assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-5), (packed, padded)
 
 
-def test_qlora_trains_adapters_on_a_4bit_base_resumes_exactly_and_exports(tmp_path, corpus, pretrained):
-    """QLoRA (`lora.quantize_base: nf4`) under DDP on 2 ranks, bf16: the adapted layers' frozen base weights
-    are read from the pretrained directory, then held as torchao NF4 tensors (4 bits and their block scales)
-    before DDP wraps the model, which neither broadcasts nor reduces them. Rank 1 dies after step 3; the
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_qlora_trains_adapters_on_a_4bit_base_resumes_exactly_and_exports(tmp_path, corpus, pretrained, strategy):
+    """QLoRA (`lora.quantize_base: nf4`) under DDP and FSDP on 2 ranks, bf16: the adapted layers' frozen base
+    weights are read from the pretrained directory, then held as torchao NF4 tensors (4 bits and their block
+    scales) before the strategy wraps the model: DDP neither broadcasts nor reduces them; FSDP2 shards them as
+    NF4 (each rank its rows) and all-gathers them per block. Rank 1 dies after step 3; the
     restart resumes from the step-2 checkpoint (the NF4 base in it) and redoes step 3 to the same loss. The
     effect, measured on the checkpoint: each quantized weight holds under a fifth of its fp32 bytes. The
     adapter loads with PEFT, and `export --hf` merges the adapters into the dequantized base: plain
@@ -305,7 +307,7 @@ def test_qlora_trains_adapters_on_a_4bit_base_resumes_exactly_and_exports(tmp_pa
     path = write_recipe(tmp_path, "qlora", {
         "seed": 0, "task": {"name": "causal_lm"}, "precision": "bf16",
         "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained, "lora": qlora}},
-        "data": block, "strategy": {"name": "ddp"}, "optimizer": {"name": "adamw", "lr": 1e-2},
+        "data": block, "strategy": {"name": strategy}, "optimizer": {"name": "adamw", "lr": 1e-2},
         "trainer": {"max_steps": 4, "log_every": 1, "checkpoint": {"every": 2}},
         "launch": {"nproc_per_node": 2, "timeout_s": 180, "max_restarts": 1}, "tracking": {"enabled": False}})
     result = trainkit(tmp_path, "run", str(path), TRAINKIT_FAULT_INJECT="rank=1,step=3")
@@ -318,8 +320,15 @@ def test_qlora_trains_adapters_on_a_4bit_base_resumes_exactly_and_exports(tmp_pa
     assert first_step_3 and losses(run_dir)[2] == pytest.approx(first_step_3[0], rel=1e-6), (first_step_3, losses(run_dir))
 
     final = run_dir / "checkpoints" / "step-00000004"
-    state = torch.load(next(final.glob("*.pt")), weights_only=False)
-    state = state.get("model", state)
+    if strategy == "fsdp":  # each rank wrote its own rows of each 4-bit weight: sharded, not gathered to save
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = FileSystemReader(str(final)).read_metadata().state_dict_metadata
+        data = {k: v for k, v in stored.items() if k.endswith("/nf4.quantized_data")}
+        assert len(data) == 4 and all(len(v.chunks) == 2 for v in data.values()), {k: v.chunks for k, v in data.items()}
+    exported = tmp_path / "model.pt"
+    export(str(final), str(exported))  # FSDP: the shards of each NF4 weight merged back into one
+    state = torch.load(exported, weights_only=False)
     quantized = {k: v for k, v in state.items() if type(v).__name__ == "NF4Tensor"}
     assert len(quantized) == 4 and all("base_layer" in k and ("q_proj" in k or "v_proj" in k) for k in quantized), \
         sorted(quantized)
@@ -329,9 +338,7 @@ def test_qlora_trains_adapters_on_a_4bit_base_resumes_exactly_and_exports(tmp_pa
 
     trained = hf_causal_lm(pretrained=pretrained, lora=qlora)
     assert trained.quantize_frozen_base() == 4
-    exported = tmp_path / "model.pt"
-    export(str(final), str(exported))
-    trained.load_state_dict(torch.load(exported, weights_only=False))
+    trained.load_state_dict(state)
     lora_b = [v for k, v in trained.state_dict().items() if "lora_B" in k]
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b), "the adapters did not train (lora_B still zero)"
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained, torch_dtype=torch.float32),
@@ -345,19 +352,27 @@ def test_qlora_trains_adapters_on_a_4bit_base_resumes_exactly_and_exports(tmp_pa
 
 
 @pytest.mark.parametrize("strategy, parallel, refused, fix", [
-    ({"name": "fsdp"}, None, "quantize_base: nf4 with strategy fsdp is refused", "use strategy ddp"),
+    ({"name": "ddp", "init": "seeded"}, None, "quantize_base: nf4 builds the model whole", "leave init at auto"),
+    ({"name": "fsdp", "cpu_offload": True}, None, "quantize_base: nf4 with strategy fsdp is refused",
+     "set cpu_offload: false"),
+    ({"name": "fsdp"}, {"dp_replicate": 2, "dp_shard": 1}, "quantize_base: nf4 with HSDP", "set parallel.dp_replicate: 1"),
     ({"name": "deepspeed", "zero_stage": 3}, None, "quantize_base: nf4 with strategy deepspeed is refused",
      "use strategy ddp"),
     ({"name": "ddp"}, {"tp": 2}, "quantize_base: nf4 with tensor parallel is refused", "set parallel.tp: 1")])
-def test_validate_refuses_qlora_where_the_base_would_be_sharded(tmp_path, pretrained, strategy, parallel, refused, fix):
-    """A 4-bit base is trained only where each rank keeps its whole model as built (DDP, one process):
-    validate names the combination and what to use, before anything starts."""
+def test_validate_refuses_qlora_where_the_4bit_base_cannot_be_held(tmp_path, pretrained, strategy, parallel, refused,
+                                                                     fix):
+    """A 4-bit base is trained where each rank keeps its whole model as built (DDP, one process) or FSDP2
+    shards it as NF4 over one dimension; it is quantized from the whole weights, so never built seeded.
+    Elsewhere validate names the combination and what to use, before anything starts."""
     from trainkit.recipe import resolve
     from trainkit.recipe.problems import RecipeError
 
+    strategy = dict(strategy)
+    init = strategy.pop("init", "auto")
     path = write_recipe(tmp_path, "qlora-refused", {
         "task": {"name": "causal_lm"}, "strategy": strategy, **({"parallel": parallel} if parallel else {}),
-        "model": {"name": "hf_causal_lm", "args": {"pretrained": pretrained, "lora": {**LORA, "quantize_base": "nf4"}}},
+        "model": {"name": "hf_causal_lm", "init": init,
+                  "args": {"pretrained": pretrained, "lora": {**LORA, "quantize_base": "nf4"}}},
         "data": {"name": "text", "files": ["t.txt"], "tokenizer": pretrained, "seq_len": 32, "batch_size": 4},
         "trainer": {"max_steps": 2}, "launch": {"nproc_per_node": 2}})
     with pytest.raises(RecipeError) as caught:

@@ -13,6 +13,7 @@ from typing import Optional
 from ..recipe.launch_plan import run_dir_for
 from ..recipe.memory_plan import RUNTIME_BYTES, MemoryAdvice, MemoryPlan, fitting_changes, setting_of
 from ..recipe.memory_mesh import mesh_alternatives
+from ..recipe.model_facts import builds_seeded
 from ..recipe.memory_plan import plan as plan_memory
 from ..runtime import memory_limits
 from ..run_dir import CHECKPOINT_PREFIX, CHECKPOINTS
@@ -305,10 +306,9 @@ def host_memory_per_rank(recipe, device_type: str) -> Optional[tuple[int, str]]:
 
 def _built_sharded(recipe) -> bool:
     """Whether ranks build the model on the meta device and fill only their part (`model.init` seeded,
-    or auto under a strategy that shards parameters without a weights file), not whole on the host."""
-    spec = recipe.model
-    return spec.init == "seeded" or (spec.init == "auto" and not spec.weights
-                                     and recipe.strategy.capabilities().shards_parameters)
+    or auto under a strategy that shards parameters; a weights file is then read into the shards), not
+    whole on the host."""
+    return builds_seeded(recipe.model, recipe.strategy.capabilities().shards_parameters)
 
 
 def memory(resolved) -> Optional[Check]:

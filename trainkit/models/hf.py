@@ -26,6 +26,19 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and QLoRA's) defaults: elements per scale, scales per scale
+NF4_SHARDABLE = 16  # an NF4 weight keeps at least this many groups of scales, so FSDP can split it 2, 4, 8 or 16 ways
+
+
+def nf4_scaler_block(elements: int) -> int:
+    """How many block scales torchao quantizes together (double quantization): 256, as QLoRA does, where the
+    weight has at least 16 x 256 blocks of 64 (every layer of a real model); a smaller layer takes the
+    largest group that leaves a multiple of 16 groups, so FSDP2 can still split the weight's groups
+    evenly (torchao's NF4 split needs that). The same for any world size: a run quantizes as its
+    one-process reference does."""
+    blocks = elements // NF4_BLOCK
+    return math.gcd(NF4_SCALER_BLOCK, blocks // NF4_SHARDABLE) if blocks % NF4_SHARDABLE == 0 and \
+        blocks >= NF4_SHARDABLE else math.gcd(NF4_SCALER_BLOCK, blocks)
+
 MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 # what transformers' tokenizers save beside a model (`save_pretrained` of a tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -53,10 +66,9 @@ class HFCausalLM(nn.Module):
 
         layers = self.quantized_base_layers()
         for base in layers:
-            # torchao quantizes the block scales again in groups of 256 (double quantization); a small layer
-            # with fewer scales takes the largest group that divides them
-            base.weight = nn.Parameter(to_nf4(base.weight.detach(), block_size=NF4_BLOCK, scaler_block_size=math.gcd(
-                NF4_SCALER_BLOCK, base.weight.numel() // NF4_BLOCK)), requires_grad=False)
+            base.weight = nn.Parameter(to_nf4(base.weight.detach(), block_size=NF4_BLOCK,
+                                              scaler_block_size=nf4_scaler_block(base.weight.numel())),
+                                       requires_grad=False)
         return len(layers)
 
     def quantized_base_layers(self) -> list[nn.Linear]:

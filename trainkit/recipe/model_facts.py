@@ -91,6 +91,15 @@ def facts_for(model_name: str) -> ModelFacts:
     return facts() if isinstance(facts, type) else facts
 
 
+def builds_seeded(spec, shards_parameters: bool) -> bool:
+    """Whether `model.init` resolves to a seeded build (on the meta device, each rank filling only what it
+    keeps) under a strategy that does (or does not) shard parameters. A QLoRA base is built whole whatever
+    `auto` would say: its 4-bit weights are quantized from each whole weight's values, before any sharding."""
+    if facts_for(spec.name).quantized_base(dict(spec.args)):
+        return False
+    return spec.init == "seeded" or (spec.init == "auto" and shards_parameters)
+
+
 def unknown_arguments(facts: ModelFacts, model_name: str, args: dict) -> list[tuple[tuple, str]]:
     """(path under model.args, message) for each argument the model's declared `argument_names` lack."""
     if facts.argument_names is None:

@@ -181,7 +181,8 @@ def model_args_are_usable(r: Recipe) -> Iterator[Finding]:
 
 @rule
 def quantized_base_fits_the_run(r: Recipe) -> Iterator[Finding]:
-    """QLoRA (a frozen NF4 base under LoRA adapters): only where each rank keeps its whole model as built."""
+    """QLoRA (a frozen NF4 base under LoRA adapters): where the strategy holds the NF4 base whole (DDP) or
+    shards it over one dimension as NF4 (FSDP2, torchao's all-gather extension)."""
     quantized = facts_for(r.model.name).quantized_base(dict(r.model.args))
     if not quantized:
         return
@@ -193,6 +194,15 @@ def quantized_base_fits_the_run(r: Recipe) -> Iterator[Finding]:
     if r.parallel is not None and isinstance(r.parallel.tp, int) and r.parallel.tp > 1:
         yield where, (f"quantize_base: {quantized} with tensor parallel is refused: an NF4 weight cannot be split "
                       "into DTensor shards here; set parallel.tp: 1, or drop quantize_base")
+    elif r.parallel is not None and isinstance(r.parallel.dp_replicate, int) and r.parallel.dp_replicate > 1 \
+            and r.strategy.capabilities().shards_parameters:
+        yield where, (f"quantize_base: {quantized} with HSDP (parallel.dp_replicate > 1) is refused: not verified "
+                      "(the NF4 base is sharded over one mesh dimension, as torchtune does); set "
+                      "parallel.dp_replicate: 1, or drop quantize_base")
+    if r.model.init == "seeded":
+        yield ("model", "init"), (f"quantize_base: {quantized} builds the model whole and quantizes each adapted "
+                                  "weight from its values before any sharding, so model.init seeded cannot apply; "
+                                  "leave init at auto (or constructor)")
     if r.performance.compile:
         yield where, (f"quantize_base: {quantized} with performance.compile is refused: not verified (torchao's NF4 "
                       "linear under dynamo); set performance.compile: false")

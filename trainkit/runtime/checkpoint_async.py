@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Optional
 
+from .dcp_state import load_dcp, state_for_dcp
+
 DCP_METADATA = ".metadata"  # the file DCP's coordinator writes last
 
 
@@ -100,10 +102,8 @@ def start(folder: Path, model, optimizer, seal: Optional[Callable[[], None]],
     """Stage this rank's state (blocking: a host copy) and start writing it into `folder`; `seal` runs
     when the write has finished, `on_error` (in the writer's thread) when it failed."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
+    future = dcp.async_save(state_for_dcp(model, optimizer)[0], checkpoint_id=str(folder),
                             process_group=_writer_group(), async_stager=_stager(model))
     return BackgroundWrite(future, seal, on_error)
 
@@ -115,10 +115,4 @@ def written_in_background(folder: Path, strategy) -> bool:
 
 def load_written_in_background(folder: Path, model, optimizer) -> None:
     """Load a `start`-written folder into any strategy's model and optimizer, through DCP."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_dcp(folder, model, optimizer)

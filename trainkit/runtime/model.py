@@ -17,6 +17,7 @@ from torch import nn
 from .. import registry
 from ..recipe import imports
 from ..recipe.blocks import ModelSpec
+from ..recipe.model_facts import builds_seeded
 from .materialize import unseedable
 from .pretrained import WeightsFile, filled_by_pretrained
 
@@ -101,8 +102,7 @@ def build_initial_model(spec: ModelSpec, strategy, seed: int, announce: bool = F
     `model.init` resolves here, with the strategy that will hold the model: seeded models are built
     in `strategy.empty_init()` (meta parameters; DeepSpeed ZeRO-3: partitioned as they are built)
     and given their values by `strategy.materialize` (runtime.materialize says why and how)."""
-    seeded = spec.init == "seeded" or (spec.init == "auto" and strategy.capabilities.shards_parameters)
-    if not seeded:
+    if not builds_seeded(spec, strategy.capabilities.shards_parameters):
         return build_model(spec), "constructor"
     with strategy.empty_init():
         model = construct(spec)

@@ -18,6 +18,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from .quantized import frozen_quantized
+
 NEVER = 2**62  # "no bad step yet" for the MIN-by-MAX encoding below
 
 
@@ -99,13 +101,3 @@ def restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for buffer, copy in saved:
             buffer.copy_(copy)
 
-
-def frozen_quantized(t: torch.Tensor) -> bool:
-    """A frozen weight held by a quantized tensor subclass (torchao's NF4: QLoRA's base), not a DTensor."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if t.requires_grad or not is_traceable_wrapper_subclass(t):
-        return False  # a plain tensor: nothing more to import (an export measures its own memory)
-    from torch.distributed.tensor import DTensor
-
-    return not isinstance(t, DTensor)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..recipe.blocks import PerformanceOptions
 from ..runtime.materialize import materialize, parameters_on_meta
-from ..runtime.nonfinite import frozen_quantized
+from ..runtime.quantized import frozen_quantized, stored_parts
 
 
 def replicated_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -43,8 +43,8 @@ def hash_tensor(h, name: str, t: torch.Tensor) -> None:
     bytes copy of a host tensor that is already contiguous)."""
     h.update(name.encode())
     if frozen_quantized(t):  # QLoRA's NF4 base: its stored parts
-        for inner in t.__tensor_flatten__()[0]:
-            part = getattr(t, inner).detach().reshape(-1).clone(memory_format=torch.contiguous_format)
+        for inner, part in stored_parts(t).items():
+            part = part.detach().reshape(-1).clone(memory_format=torch.contiguous_format)
             hash_tensor(h, f"{name}.{inner}", part)  # (a part may be a one-element view with a large stride)
         return
     h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())

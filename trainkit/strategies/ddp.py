@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..recipe.blocks import DDPOptions
 from ..runtime.files import fsync_save
-from ..runtime.nonfinite import frozen_quantized
+from ..runtime.quantized import frozen_quantized
 from ..runtime.performance import apply_activation_checkpointing, compile_module
 from ..runtime.timing import timed_hook
 from .base import Strategy

@@ -23,6 +23,8 @@ from ..runtime.materialize import after_seeded_init, check_seedable, has_meta_pa
     seeded_values
 from ..runtime.model import build_model
 from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
+from ..runtime.dcp_state import load_dcp, state_for_dcp
+from ..runtime.quantized import frozen_quantized, shard_problem, whole_from_dcp
 from .base import Strategy, replicated_buffers
 from .tensor_parallel import apply_tensor_parallel, full_tensor, loss_context
 
@@ -206,6 +208,10 @@ class FSDPStrategy(Strategy):
         if self.tensor_parallel > 1:  # TP inside the layers first, then FSDP over the data-parallel ranks
             model = apply_tensor_parallel(model, self.mesh_owner.view("tp"), loss_parallel=self.loss_parallel)
         self.mesh = self.shard_mesh()
+        unsplittable = [why for name, p in model.named_parameters() if frozen_quantized(p)
+                        for why in [shard_problem(name, p, self.mesh.size())] if why]
+        if unsplittable:  # QLoRA: torchao's NF4 split would fail inside fully_shard with a bare assertion
+            raise ValueError(unsplittable[0])
         if self.tensor_parallel > 1:
             # a flattened (data-parallel..., "tp") group: DTensor then reduces a norm over both in one
             # all-reduce instead of one per dimension (and stops warning each rank that it does not)
@@ -299,20 +305,12 @@ class FSDPStrategy(Strategy):
     # ---- checkpoints: torch.distributed.checkpoint, every rank writes its own shards
     def save_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+        dcp.save(state_for_dcp(model, optimizer)[0], checkpoint_id=str(folder))
 
     def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Loads whatever world size wrote it: DCP reshards to this run's mesh."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(folder))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_dcp(folder, model, optimizer)
 
     # ---- class-level hooks
     @classmethod
@@ -351,4 +349,4 @@ class FSDPStrategy(Strategy):
         state: dict = {}
         _load_state_dict(state, storage_reader=FileSystemReader(str(folder)),
                          planner=_EmptyStateDictLoadPlanner(keys=["model"]), no_dist=True)
-        return state["model"]
+        return whole_from_dcp(state["model"])

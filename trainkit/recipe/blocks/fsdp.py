@@ -37,7 +37,12 @@ class FSDPOptions(StrategyOptions):
                   "gathered at a time")
         if self.cpu_offload:
             effect += "; the shards and the optimizer step on the CPU, off the device"
+        # QLoRA: torchao's NF4 tensor implements FSDP2's sharding (its chunk along dim 0) and all-gather
+        # extension (fsdp_pre/post_all_gather), so each rank keeps its rows of the 4-bit base
+        quantized_base_refusal = ("not verified: the NF4 base's shards on the CPU beside the offloaded optimizer; "
+                                  "set cpu_offload: false") if self.cpu_offload else ""
         return Capabilities(shards_parameters=True, background_save_refusal="", cpu_collectives=self.cpu_offload, host_memory_on_cpu="release",
+                            quantized_base_refusal=quantized_base_refusal,
                             effect=effect,
                             contiguous_parameters=True, mesh_dims=frozenset({"dp_replicate", "dp_shard", "tp"}),
                             unsupported_performance={"sync_batchnorm": (

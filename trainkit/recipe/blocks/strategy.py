@@ -83,8 +83,8 @@ class Capabilities:
         `materialize`, module by module, instead of a later read (ZeRO-3: its partitions are not tensors a
         state-dict reader can fill; each module is gathered once, as for seeded values).
     quantized_base_refusal: why the strategy cannot train adapters on a 4-bit frozen base (QLoRA,
-        `model.args.lora.quantize_base`: torchao NF4 tensors) ("": it keeps each rank's whole model as built,
-        and never broadcasts, shards or partitions the frozen base).
+        `model.args.lora.quantize_base`: torchao NF4 tensors) ("": it keeps each rank's whole model as built
+        and never broadcasts the frozen base (DDP), or shards it as NF4 (FSDP2)).
     background_save_refusal: why `trainer.checkpoint.async_save` cannot save this strategy's checkpoint
         ("": its checkpoint is the model's and optimizer's DCP state dicts, which the background write saves).
     effect: what a user picks the strategy for (docs/compatibility.md, "Effects", lists it with the measured
