@@ -184,23 +184,27 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def planned_per_rank(path) -> int:
-    """What `trainkit plan` predicts one CPU rank needs for the recipe at `path` (the memory plan)."""
+def planned_per_rank(path, runtime: bool = True) -> int:
+    """What `trainkit plan` predicts one CPU rank needs for the recipe at `path` (the memory plan);
+    `runtime=False`: without its "runtime" line (the process before the model, which a measurement above
+    the rank's own baseline leaves out)."""
     from trainkit.recipe import resolve
     from trainkit.recipe.memory_plan import plan, setting_of
     from trainkit.runtime.memory_trace import model_sizes
 
     recipe = resolve(path).recipe
-    return plan(model_sizes(recipe), setting_of(recipe, "cpu")).per_rank
+    planned = plan(model_sizes(recipe), setting_of(recipe, "cpu"))
+    return planned.per_rank - (0 if runtime else sum(p.bytes for p in planned.parts if p.name == "runtime"))
 
 
 def planned_saving_against_ddp(path) -> int:
     """What the memory plan says the recipe at `path` saves per rank against the same recipe under DDP
-    (what each rank would hold as a whole replica); the plan's fixed runtime lines cancel out."""
+    (what each rank would hold as a whole replica), without the runtime lines: the measured saving
+    compares each run above its own baseline, which holds the strategy's libraries (DeepSpeed's 20 MiB)."""
     recipe = yaml.safe_load(Path(path).read_text())
     replica = Path(path).with_name(Path(path).stem + "-as-ddp.yaml")
     replica.write_text(yaml.safe_dump({**recipe, "strategy": {"name": "ddp"}}, sort_keys=False))
-    return planned_per_rank(replica) - planned_per_rank(path)
+    return planned_per_rank(replica, runtime=False) - planned_per_rank(path, runtime=False)
 
 
 def logged_transformers_pipeline(tmp: Path, experiment: str):

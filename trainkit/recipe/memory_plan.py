@@ -44,6 +44,7 @@ class ModelSizes:
     blocks: int = 0  # how many blocks the model has (units FSDP shards, blocks checkpointing recomputes)
     trainable: Optional[int] = None  # elements that train (LoRA: the adapters); None: all of them
     quantized: int = 0  # frozen elements held in 4 bits (QLoRA's NF4 base), among `parameters`
+    largest_parameter: int = 0  # elements of the largest trainable parameter (what Adam steps at once)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,9 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     if L.builds_whole_model:
         parts.append(Part("whole model at build", P * FP32, "host",
                           f"{P:,} x 4 B: every rank builds the whole model, then keeps its stage"))
+    step = _step_temporaries(sizes, s, T, stored)
+    if step is not None:
+        parts.append(step)
     if sizes.buffer_bytes:
         parts.append(Part("buffers", sizes.buffer_bytes, "device", "the model's buffers (not sharded)"))
     activations = _activations(sizes, s)
@@ -237,6 +241,41 @@ def _gathered_unit(largest_unit: int, unit_bytes: int, tp: int, name: str = "", 
                     f"and the reduce-scatter input or the next unit prefetched)")
     return Part("gathered unit", 2 * elements * unit_bytes, "device",
                 f"2 x {elements:,} x {unit_bytes} B ({which}{slice_}, and the next prefetched)")
+
+
+def _step_temporaries(sizes: ModelSizes, s: Setting, trainable: int, stored: int) -> Optional[Part]:
+    """What a step allocates for a moment beyond the state, the larger of:
+    - Adam's step: `exp_avg_sq.sqrt()` and its division by the bias correction are new tensors the size
+      of what it steps at once. torch's single-tensor Adam (its choice for CPU tensors) steps one parameter
+      (or shard) at a time: two temporaries of the largest; its foreach Adam (its default on CUDA) steps a
+      whole list at once: one temporary of all the rank's trainable elements (not measured on a GPU
+      yet); DeepSpeed steps its flat fp32 partition, whole (ZeRO-1/2) or by sub-group (ZeRO-3); its CPU
+      Adam (optimizer offload) steps in place. SGD steps in place.
+    - DeepSpeed ZeRO-1/2's reduce: the bucket's gradient slices copied into one flat tensor.
+    Measured on the CPU (2 ranks, a 31.5 M MLP, AdamW): a DDP rank's peak is its first optimizer step,
+    72 MiB above its state (two temporaries of the 36 MiB largest parameter); a ZeRO-2 rank's is its reduce,
+    122 MiB above (docs/memory.md)."""
+    L = s.layout
+    candidates = []
+    if s.optimizer_tensors == 2 and not L.offload_optimizer:  # Adam's two moments: the sqrt temporaries
+        rank_elements = trainable // L.optimizer
+        if L.optimizer_flat_elements:
+            at_once, copies = min(rank_elements, L.optimizer_flat_elements), 1 if s.device_type == "cuda" else 2
+            how = f"Adam's step over {'its fp32 partition' if at_once == rank_elements else 'sub-groups'} of " \
+                  f"{at_once:,} elements"
+        elif s.device_type == "cuda":
+            at_once, copies, how = rank_elements, 1, "torch's foreach Adam: the rank's trainable elements at once"
+        else:
+            at_once, copies = max(1, sizes.largest_parameter // L.optimizer), 2
+            how = "torch's Adam, one parameter at a time: the largest" + (" (its shard)" if L.optimizer > 1 else "")
+        candidates.append((copies * at_once * FP32, f"{copies} x {at_once:,} x 4 B ({how})"))
+    if L.reduce_flat_copy_elements:
+        bucket = min(trainable, L.reduce_flat_copy_elements)
+        candidates.append((bucket * stored, f"{bucket:,} x {stored} B (the reduce's flat copy of the bucket)"))
+    if not candidates or not sizes.largest_parameter:  # sizes traced before this line existed: none
+        return None
+    size, how = max(candidates)
+    return Part("step temporaries", size, "host" if L.offload_optimizer and s.device_type == "cuda" else "device", how)
 
 
 STAGED = ("parameters", "fp32 master weights", "optimizer state", "buffers")  # what a checkpoint holds

@@ -71,6 +71,7 @@ def _measured_sizes(recipe: Any, batch: Optional[torch.Tensor]) -> ModelSizes:
     model = _on_meta(recipe)
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    largest_parameter = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
     quantized = sum(layer.weight.numel() for layer in getattr(model, "quantized_base_layers", list)())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     blocks = repeated_blocks(model, recipe_block_names(recipe))
@@ -81,7 +82,8 @@ def _measured_sizes(recipe: Any, batch: Optional[torch.Tensor]) -> ModelSizes:
     return ModelSizes(parameters=parameters, buffer_bytes=buffers, largest_unit=largest, activation_bytes=whole,
                       checkpointed_activation_bytes=checkpointed, micro_batch=recipe.data.batch_size,
                       largest_unit_name=name, blocks=len(blocks),
-                      trainable=None if trainable == parameters else trainable, quantized=quantized)
+                      trainable=None if trainable == parameters else trainable, quantized=quantized,
+                      largest_parameter=largest_parameter)
 
 
 def example_batch(recipe: Any) -> Optional[torch.Tensor]:

@@ -9,8 +9,8 @@ from pydantic import Field
 
 from .base import Finding
 from .knobs import Knob
-from .strategy import (FLOAT8_NOT_VERIFIED, SYNC_BATCHNORM_NEEDS_DDP, Capabilities, MemoryLayout, ParallelDims,
-                       StrategyOptions)
+from .strategy import (ALL_GRADIENTS, FLOAT8_NOT_VERIFIED, SYNC_BATCHNORM_NEEDS_DDP, Capabilities, MemoryLayout,
+                       ParallelDims, StrategyOptions)
 from .training import AdamOptions
 
 # ds_config keys the recipe sets itself: -> the recipe key to use instead
@@ -102,7 +102,11 @@ class DeepSpeedOptions(StrategyOptions):
                             master_copy_in_fp32=stage != 3 or offloads,  # strategies/deepspeed_master.py
                             gradient_bucket_elements=bucket if stage >= 2 else 0, gradient_bucket_per_unit=per_unit,
                             offload_parameters=self.offload_param != "none",
-                            offload_optimizer=self.offload_optimizer != "none", runtime_bytes=DEEPSPEED_RUNTIME)
+                            offload_optimizer=self.offload_optimizer != "none", runtime_bytes=DEEPSPEED_RUNTIME,
+                            # stage 1/2 steps the rank's whole fp32 partition as one tensor; stage 3 in sub-groups
+                            optimizer_flat_elements=(int(zero.get("sub_group_size", ZERO3_BUFFER_NUMEL)) if stage == 3
+                                                     else ALL_GRADIENTS) if stage >= 1 else 0,
+                            reduce_flat_copy_elements=bucket if stage in (1, 2) else 0)
 
     def rules(self, recipe: Any) -> Iterator[Finding]:
         if self.offload_param != "none" and self.zero_stage != 3:

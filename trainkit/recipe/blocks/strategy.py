@@ -146,6 +146,13 @@ class MemoryLayout:
         stages): host memory the process has held once, and on the CPU still holds (a retaining host
         allocator keeps freed blocks resident; bench/memory_plan.py).
     runtime_bytes: what the strategy's libraries add to a rank's process before the model (measured).
+    optimizer_flat_elements: the optimizer steps flat tensors of up to this many elements (DeepSpeed: the
+        rank's fp32 partition, ZeRO-1/2 in one piece -- `ALL_GRADIENTS` --, ZeRO-3 in sub-groups); 0: the
+        parameters as they are (torch's optimizers over the model's own tensors or their shards). Adam's
+        step makes temporaries the size of what it steps at once (the plan's "step temporaries").
+    reduce_flat_copy_elements: the gradient reduce first copies up to this many of the bucket's elements
+        into one flat tensor (DeepSpeed ZeRO-1/2's `allreduce_bucket`, its reduce_bucket_size): a second
+        copy of the bucket while it reduces; 0: none.
     """
 
     parameters: int = 1
@@ -164,6 +171,8 @@ class MemoryLayout:
     offload_optimizer: bool = False
     builds_whole_model: bool = False
     runtime_bytes: int = 0
+    optimizer_flat_elements: int = 0
+    reduce_flat_copy_elements: int = 0
 
 
 ALL_GRADIENTS = sys.maxsize  # gradient_bucket_elements: every gradient has a bucket copy

@@ -158,9 +158,10 @@ def section(effects: dict[str, Any]) -> list[str]:
     lines += ["", "*Plan off by* is the prediction against the measured saving. The MLP rows' reference is a real "
               "DDP run, with its buckets, every run there returning freed host memory at once (`host_allocator: "
               "release`, the sharded strategies' CPU default; DDP's `retain` let one rank keep up to 35 MiB more). "
-              "The plan over-predicts ZeRO-1/2's saving by ~38%: a DeepSpeed stage 1/2 rank grows ~45 MiB more "
-              "above its baseline than the plan's lines (parameters, bucket, partitions, master copy, moments) on "
-              "that model, not yet attributed. FSDP's "
+              "The plan's \"step temporaries\" line counts what a step allocates for a moment: a DDP rank's "
+              "peak is its first AdamW step (two temporaries of the largest weight, 72 MiB here), a ZeRO-1/2 "
+              "rank's is its reduce (DeepSpeed copies the bucket flat first, 122 MiB here); without it the plan "
+              "over-predicted ZeRO-1/2's saving by ~38% (docs/memory.md). FSDP's "
               "prediction counts a unit's gathered parameters, their whole gradients and the reduce-scatter input "
               "(FSDP2 computes a unit's gradients whole before sharding them): with the parameters and the "
               "prefetch alone it under-predicted the transformer's units by 31%.",
