@@ -203,7 +203,8 @@ def planned_saving_against_ddp(path) -> int:
     compares each run above its own baseline, which holds the strategy's libraries (DeepSpeed's 20 MiB)."""
     recipe = yaml.safe_load(Path(path).read_text())
     replica = Path(path).with_name(Path(path).stem + "-as-ddp.yaml")
-    replica.write_text(yaml.safe_dump({**recipe, "strategy": {"name": "ddp"}}, sort_keys=False))
+    replica.write_text(yaml.safe_dump({**{k: v for k, v in recipe.items() if k != "parallel"},
+                                       "strategy": {"name": "ddp"}}, sort_keys=False))
     return planned_per_rank(replica, runtime=False) - planned_per_rank(path, runtime=False)
 
 

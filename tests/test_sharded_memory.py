@@ -54,8 +54,8 @@ def ext(request, tmp_path_factory) -> dict:
     return deepspeed_env(request, tmp_path_factory)
 
 
-def recipe(tmp, strategy: dict, hidden: int, depth: int):
-    return write_recipe(tmp, "big", SEEDED_MLP, strategy=strategy,
+def recipe(tmp, strategy: dict, hidden: int, depth: int, **sections):
+    return write_recipe(tmp, "big", SEEDED_MLP, strategy=strategy, **sections,
                         model={"args": {"in_features": IN, "hidden": hidden, "num_classes": CLASSES, "depth": depth},
                                "init": "auto"},
                         data={"shape": [IN], "num_classes": CLASSES, "num_samples": 64, "batch_size": 4},
@@ -67,10 +67,10 @@ def recipe(tmp, strategy: dict, hidden: int, depth: int):
                         trainer={"max_steps": STEPS, "log_every": 1, "checkpoint": {"every": STEPS}})
 
 
-def peaks_of_a_run(tmp, path, env: dict, replicas: bool = True) -> list[dict]:
-    """A 2-rank `trainkit run` (a checkpoint at step 3, the end-of-run checks): each worker's baseline
-    and whole-life peak. `replicas`: the ranks hold replicas the end-of-run check compares (not the
-    pipeline's stages)."""
+def peaks_of_a_run(tmp, path, env: dict, replicas: bool = True, ranks: int = 2) -> list[dict]:
+    """A `trainkit run` on `ranks` processes (a checkpoint at step 3, the end-of-run checks): each worker's
+    baseline and whole-life peak. `replicas`: the ranks hold replicas the end-of-run check compares (not
+    the pipeline's stages)."""
     probe = tmp / "memory"
     probe.mkdir()
     result = trainkit(tmp, "run", str(path), TRAINKIT_FAULT_PROBE_MEMORY=str(probe), **env)
@@ -78,7 +78,7 @@ def peaks_of_a_run(tmp, path, env: dict, replicas: bool = True) -> list[dict]:
     s = summary(tmp / "runs" / "big")
     assert s["replicas_identical"] is (True if replicas else None), s["replica_digests"]
     assert (tmp / "runs" / "big" / "checkpoints" / f"step-{STEPS:08d}").is_dir()
-    return [json.loads((probe / f"memory-rank{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((probe / f"memory-rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
 def mib(b: int) -> str:
@@ -132,6 +132,18 @@ def test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ddp_31m):
     peaks = peaks_of_a_run(tmp_path, path, {})
     assert_nothing_gathered_after_step_2(peaks, parameters(*MLP_31M))
     assert_below_a_full_copy(peaks, parameters(*MLP_31M), "fsdp", path, ddp_31m)
+
+
+def test_hsdp_shards_over_its_shard_dimension(tmp_path, ddp_31m):
+    """HSDP on 4 ranks (`parallel: {dp_replicate: 2, dp_shard: 2}`): each rank holds the half of the
+    model's state its shard group of 2 gives it -- as FSDP on 2 ranks -- and the 2 groups are replicas.
+    Against the DDP reference (a DDP rank's state does not depend on the world size) it must save more
+    than one copy of the parameters; a mesh that sharded over nothing (dp_shard 1) saves nothing."""
+    params = parameters(*MLP_31M)
+    path = recipe(tmp_path, {"name": "fsdp"}, *MLP_31M, launch={"nproc_per_node": 4, "timeout_s": 240},
+                  parallel={"dp_replicate": 2, "dp_shard": 2})
+    peaks = peaks_of_a_run(tmp_path, path, {}, ranks=4)
+    assert_below_a_full_copy(peaks, params, "hsdp", path, ddp_31m)
 
 
 def test_zero3_no_rank_holds_a_full_copy_over_the_whole_run(tmp_path, ext, ddp_31m):

@@ -59,6 +59,9 @@ CASES = (
                "the same run under DDP", "tests/test_effects_transformer.py::test_fsdp_shards_a_cnns_state_against_ddp"),
     EffectCase("fsdp/mlp", "fsdp", "mlp (31.5 M)", "the same run under DDP",
                "tests/test_sharded_memory.py::test_fsdp_no_rank_holds_a_full_copy_over_the_whole_run"),
+    EffectCase("hsdp/mlp", "fsdp with parallel: {dp_replicate: 2, dp_shard: 2} (HSDP, 4 ranks)", "mlp (31.5 M)",
+               "the same model under DDP (a DDP rank's state does not depend on the world size)",
+               "tests/test_sharded_memory.py::test_hsdp_shards_over_its_shard_dimension"),
     EffectCase("zero3/mlp", "deepspeed zero_stage 3", "mlp (31.5 M)", "the same run under DDP",
                "tests/test_sharded_memory.py::test_zero3_no_rank_holds_a_full_copy_over_the_whole_run"),
     EffectCase("zero2/mlp", "deepspeed zero_stage 2", "mlp (31.5 M)", "the same run under DDP",
@@ -170,9 +173,8 @@ def section(effects: dict[str, Any]) -> list[str]:
               "and CPU step times are noise-bound at these sizes. Offload (FSDP's cpu_offload, DeepSpeed's offload_optimizer/"
               "offload_param) frees *device* memory, which a CPU run does not have. ZeRO-1 and ZeRO-2 hold the "
               "same peak here: DeepSpeed's reduce bucket (5e8 elements) holds the whole model, and stage 1's whole "
-              "gradients become views of it; stage 2 holds less once a model outgrows its bucket. Not recorded: "
-              "HSDP's shard dimension (4 processes on 2 cores; its per-rank state follows FSDP's over the shard "
-              "dimension, which the memory plan states).", ""]
+              "gradients become views of it; stage 2 holds less once a model outgrows its bucket. HSDP runs 4 "
+              "processes on this machine's 2 cores: slow steps, the same memory per rank.", ""]
     return lines
 
 
