@@ -210,6 +210,18 @@ def test_validate_refuses_a_bad_pretrained_directory_with_file_level_messages(tm
         "trainer": {"max_steps": 1}, "launch": {"nproc_per_node": 2}, "tracking": {"enabled": False}})
     result = trainkit(tmp_path, "validate", str(pipelined))
     assert result.returncode == 2 and "cannot read pretrained weights" in result.output, result.output
+    # a directory that is not on this machine (CI validating recipes/, a laptop) is, as a data path, for
+    # `validate --deep`, `plan` and `run` to refuse
+    elsewhere = write_recipe(tmp_path, "elsewhere", {
+        "model": {"name": "hf_causal_lm", "args": {"pretrained": str(tmp_path / "not-here")}},
+        "task": {"name": "causal_lm"}, "data": {"name": "text", "files": ["x.txt"], "tokenizer": "t.json",
+                                                "seq_len": 32, "batch_size": 4},
+        "strategy": {"name": "fsdp"}, "trainer": {"max_steps": 1}, "launch": {"nproc_per_node": 2},
+        "tracking": {"enabled": False}})
+    assert trainkit(tmp_path, "validate", str(elsewhere)).returncode == 0
+    deep = trainkit(tmp_path, "validate", "--deep", str(elsewhere))
+    assert deep.returncode == 2 and f"pretrained directory not found: {tmp_path / 'not-here'}" in deep.output \
+        and "model_type" not in deep.output and "Traceback" not in deep.output, deep.output
 
 
 # ZeRO-2 only: under FSDP the sharded build's read of every checkpoint weight is what the LoRA cases check

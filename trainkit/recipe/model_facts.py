@@ -61,6 +61,12 @@ class ModelFacts:
         """The 4-bit format of a frozen base under adapters (QLoRA), when the args ask for one."""
         return None
 
+    def missing_inputs(self, args: dict) -> list[tuple[tuple, str]]:
+        """(model.args path, message) for what the model reads at run time that is not on this machine: as
+        data paths, checked by `validate --deep`, `plan` and `run`, not by `validate` (a recipe is often
+        validated where the model is not: CI, a laptop)."""
+        return []
+
     def args_problems(self, args: dict) -> list[tuple[tuple, str]]:
         """(path under model.args, message) for what is wrong with `args` before anything is built (validate;
         no torch)."""
@@ -201,7 +207,7 @@ class HFCausalLMFacts(ModelFacts):
         if bool(args.get("config")) == bool(args.get("pretrained")):
             problems.append(((), "give exactly one of config (a new model from a config) or pretrained (a local "
                                  "save_pretrained directory)"))
-        if args.get("pretrained"):
+        if args.get("pretrained") and not self.missing_inputs(args):  # a directory that is here must be sound
             problems += [(("pretrained",), message) for message in directory_problems(str(args["pretrained"]))]
         lora = args.get("lora")
         if lora is not None and (not isinstance(lora, dict) or set(lora) - LORA_KEYS):
@@ -210,6 +216,15 @@ class HFCausalLMFacts(ModelFacts):
             problems.append((("lora", "quantize_base"), f"quantize_base is one of {', '.join(QUANTIZED_BASES)} (or "
                                                        "absent: the base in the run's precision)"))
         return problems
+
+    def missing_inputs(self, args: dict) -> list[tuple[tuple, str]]:
+        from pathlib import Path
+
+        directory = args.get("pretrained")
+        if not directory or Path(str(directory)).expanduser().is_dir():
+            return []
+        return [(("pretrained",), f"pretrained directory not found: {directory} (models are never downloaded; "
+                                  "give a local save_pretrained directory)")]
 
     def quantized_base(self, args: dict) -> Optional[str]:
         lora = args.get("lora")

@@ -97,6 +97,10 @@ def _model(r) -> Iterator[Finding]:
             yield ("model", "name"), str(exc), "error"
         except Exception as exc:  # ImportError, AttributeError, or whatever the module raised on import
             yield ("model", "name"), f"cannot import model factory '{name}': {type(exc).__name__}: {exc}", "error"
+    from ..recipe.model_facts import facts_for
+
+    for where, message in facts_for(name).missing_inputs(dict(spec.args)):
+        yield ("model", "args", *where), message, "error"
     if spec.weights and not Path(spec.weights).expanduser().is_file():
         yield ("model", "weights"), f"weights file not found: {read_path_shown(spec.weights)} (weights are never " \
             f"downloaded; give a local state_dict file)", "error"
@@ -114,6 +118,8 @@ def model_vocab_and_positions(r):
 
 def _language_model(r) -> Iterator[Finding]:
     """The model's declared vocabulary and maximum length against the data's sequences."""
+    if facts_for(r.model.name).missing_inputs(dict(r.model.args)):
+        return  # its config is in what is missing (`_model` says so)
     try:
         vocab, longest = model_vocab_and_positions(r)
     except LookupError as exc:
