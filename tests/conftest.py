@@ -13,12 +13,23 @@ def _session_trainkit_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("trainkit-cache")
 
 
+@pytest.fixture(scope="session")
+def _session_inductor_cache(pytestconfig, tmp_path_factory) -> Path:
+    """Inductor's cache for every test: pytest's cache folder where it has one (the grid's compile cells
+    keep theirs there too: tests/test_compatibility.py), so the session builds each kernel once."""
+    cache = getattr(pytestconfig, "cache", None)
+    return cache.mkdir("torchinductor") if cache is not None else tmp_path_factory.mktemp("torchinductor")
+
+
 @pytest.fixture(autouse=True)
-def _isolated_caches(tmp_path, monkeypatch, _session_trainkit_cache):
-    """Keep compile/extension caches and temp files of every test in its own folder; trainkit's own
-    cache (the memory plan's model traces, runtime/model_sizes_cache.py) is the session's, as a user's
-    is shared by their launches, and never the home folder's."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def _isolated_caches(tmp_path, monkeypatch, _session_trainkit_cache, _session_inductor_cache):
+    """Keep extension caches and temp files of every test in its own folder; trainkit's own cache (the
+    memory plan's model traces, runtime/model_sizes_cache.py) and inductor's compiled kernels are the
+    session's, as a user's are shared by their launches, and never the home folder's. Inductor keys
+    each entry by the graph, its inputs, the config and torch's version, so a test that compiles what
+    another compiled reads it back instead of running g++ again (its C++ prelude, the precompiled
+    header, is built once)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(_session_inductor_cache))
     monkeypatch.setenv("TRAINKIT_CACHE_DIR", str(_session_trainkit_cache))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     yield

@@ -31,10 +31,13 @@ class Result:
 
 
 def env_for(tmp: Path, **extra: str) -> dict:
-    """The environment of a `trainkit` subprocess: caches and temp files in `tmp`, one thread per
-    process, and no fault injection unless `extra` asks for it (see fault_injection.env)."""
+    """The environment of a `trainkit` subprocess: caches and temp files in `tmp` (inductor's: the test
+    session's where conftest set one), one thread per process, and no fault injection unless `extra`
+    asks for it (see fault_injection.env)."""
     env = {key: value for key, value in os.environ.items() if not fault_injection.owns(key)}
     for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
+        if key == "TORCHINDUCTOR_CACHE_DIR" and env.get(key):  # the session's (conftest)
+            continue
         (tmp / key.lower()).mkdir(parents=True, exist_ok=True)
         env[key] = str(tmp / key.lower())
     env["OMP_NUM_THREADS"] = "1"
