@@ -442,6 +442,11 @@ trainkit data make-imagefolder /tmp/imagenet/train --classes 10 --per-class 50""
     m.add_argument("--documents", type=_positive, default=2000, help="training documents (eval: a tenth)")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_corpus)
+    m = data_sub.add_parser("make-chat-demo", help="write a stand-in chat model directory and SFT data (the LoRA "
+                                                   "demo's: recipes/lora-sft-demo-cpu.yaml)")
+    m.add_argument("folder", metavar="DIR")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_chat_demo)
     m = data_sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer (tokenizers) on text/JSONL files")
     m.add_argument("files", metavar="FILE", nargs="+")
     m.add_argument("--out", required=True, metavar="TOKENIZER_JSON")
@@ -816,6 +821,15 @@ def cmd_make_corpus(args: argparse.Namespace) -> int:
 
     train, held_out = write_corpus(Path(args.folder), documents=args.documents, seed=args.seed)
     print(f"wrote {train} ({args.documents} documents) and {held_out}")
+    return EXIT_OK
+
+
+def cmd_make_chat_demo(args: argparse.Namespace) -> int:
+    from .runtime.chat_demo import make_chat_demo
+
+    made = make_chat_demo(Path(args.folder), seed=args.seed)
+    print(f"wrote {made['model']} (a small random-weight Llama standing in for a pretrained model, with its "
+          f"chat tokenizer), {made['train']} and {made['eval']}")
     return EXIT_OK
 
 
