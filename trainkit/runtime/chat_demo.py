@@ -2,7 +2,7 @@
 fine-tuning (`trainkit data make-chat-demo DIR`, recipes/lora-sft-demo-cpu.yaml): nothing is ever
 downloaded, so the demo brings its own.
 
-- DIR/model/: what `save_pretrained` writes for a small transformers Llama (4 layers, 128 wide; random
+- DIR/chat-llama/: what `save_pretrained` writes for a small transformers Llama (4 layers, 128 wide; random
   weights: it stands in for a pretrained checkpoint, it is not one) with its tokenizer -- a byte-level
   BPE trained on the conversations, the chat template and its role tokens.
 - DIR/train.jsonl, DIR/eval.jsonl: conversations in the `messages` format; the assistant answers which
@@ -50,7 +50,7 @@ def make_chat_demo(folder: Path, seed: int = 0, train: int = 1200, held_out: int
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     folder = Path(folder)
-    model_dir = folder / "model"
+    model_dir = folder / "chat-llama"
     model_dir.mkdir(parents=True, exist_ok=True)
     table = capitals(seed)
     files = {}
