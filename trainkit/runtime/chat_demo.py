@@ -61,8 +61,9 @@ def make_chat_demo(folder: Path, seed: int = 0, train: int = 1200, held_out: int
     texts = [m["content"] for line in files["train"].read_text().splitlines() for m in json.loads(line)["messages"]]
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
     bpe.train_from_iterator(texts, vocab_size=384, min_frequency=1, special_tokens=ROLE_TOKENS, show_progress=False)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|end|>", pad_token="<|pad|>",
-                                        additional_special_tokens=ROLE_TOKENS[:3])
+    bpe.save(str(model_dir / "tokenizer.json"))  # then wrapped, with its chat template, as transformers saves it
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), eos_token="<|end|>",
+                                        pad_token="<|pad|>", additional_special_tokens=ROLE_TOKENS[:3])
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(model_dir)
     torch.manual_seed(seed)
