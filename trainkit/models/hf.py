@@ -31,9 +31,10 @@ NF4_SHARDABLE = 16  # an NF4 weight keeps at least this many groups of scales, s
 
 def nf4_scaler_block(elements: int) -> int:
     """How many block scales torchao quantizes together (double quantization): 256, as QLoRA does, where the
-    weight has at least 16 x 256 blocks of 64 (every layer of a real model); a smaller layer takes the
-    largest group that leaves a multiple of 16 groups, so FSDP2 can still split the weight's groups
-    evenly (torchao's NF4 split needs that). The same for any world size: a run quantizes as its
+    weight's blocks of 64 make a multiple of 16 x 256 (Llama's layers); otherwise the largest group that
+    leaves a multiple of 16 groups (e.g. 16 on Qwen2-0.5B's 896 x 896 projections: finer, more scale
+    bytes, never less precise), so FSDP2 can still split the weight's groups evenly (torchao's NF4
+    split needs that). The same for any world size: a run quantizes as its
     one-process reference does."""
     blocks = elements // NF4_BLOCK
     return math.gcd(NF4_SCALER_BLOCK, blocks // NF4_SHARDABLE) if blocks % NF4_SHARDABLE == 0 and \

@@ -252,6 +252,9 @@ def _step_temporaries(sizes: ModelSizes, s: Setting, trainable: int, stored: int
       yet); DeepSpeed steps its flat fp32 partition, whole (ZeRO-1/2) or by sub-group (ZeRO-3); its CPU
       Adam (optimizer offload) steps in place. SGD steps in place.
     - DeepSpeed ZeRO-1/2's reduce: the bucket's gradient slices copied into one flat tensor.
+    Both come after the backward has freed the activations, so only what exceeds them is added. Not
+    counted: SGD's temporaries with weight decay or Nesterov, and a torch optimizer stepping offloaded
+    (host) shards.
     Measured on the CPU (2 ranks, a 31.5 M MLP, AdamW): a DDP rank's peak is its first optimizer step,
     72 MiB above its state (two temporaries of the 36 MiB largest parameter); a ZeRO-2 rank's is its reduce,
     122 MiB above (docs/memory.md)."""
@@ -260,22 +263,33 @@ def _step_temporaries(sizes: ModelSizes, s: Setting, trainable: int, stored: int
     if s.optimizer_tensors == 2 and not L.offload_optimizer:  # Adam's two moments: the sqrt temporaries
         rank_elements = trainable // L.optimizer
         if L.optimizer_flat_elements:
-            at_once, copies = min(rank_elements, L.optimizer_flat_elements), 1 if s.device_type == "cuda" else 2
+            flat = L.optimizer_flat_elements
+            if L.gradient_bucket_per_unit and s.device_type == "cuda":  # ZeRO-3's sub-groups follow the blocks
+                flat = max(flat, min(sizes.largest_unit, 1_000_000_000))  # there (strategies/deepspeed.py)
+            at_once, copies = min(rank_elements, flat), 1 if s.device_type == "cuda" else 2
             how = f"Adam's step over {'its fp32 partition' if at_once == rank_elements else 'sub-groups'} of " \
                   f"{at_once:,} elements"
         elif s.device_type == "cuda":
             at_once, copies, how = rank_elements, 1, "torch's foreach Adam: the rank's trainable elements at once"
         else:
-            at_once, copies = max(1, sizes.largest_parameter // L.optimizer), 2
-            how = "torch's Adam, one parameter at a time: the largest" + (" (its shard)" if L.optimizer > 1 else "")
+            shards = max(1, L.optimizer // L.parameters_split)  # a pipeline stage holds its weights whole
+            at_once, copies = max(1, sizes.largest_parameter // shards), 2
+            how = "torch's Adam, one parameter at a time: the largest" + (" (its shard)" if shards > 1 else "")
         candidates.append((copies * at_once * FP32, f"{copies} x {at_once:,} x 4 B ({how})"))
     if L.reduce_flat_copy_elements:
         bucket = min(trainable, L.reduce_flat_copy_elements)
         candidates.append((bucket * stored, f"{bucket:,} x {stored} B (the reduce's flat copy of the bucket)"))
-    if not candidates or not sizes.largest_parameter:  # sizes traced before this line existed: none
+    if not candidates or not sizes.largest_parameter:
         return None
     size, how = max(candidates)
-    return Part("step temporaries", size, "host" if L.offload_optimizer and s.device_type == "cuda" else "device", how)
+    # the step comes after the backward has freed the activations: only what exceeds them adds to the peak
+    activations = _activations(sizes, s)
+    held = activations.bytes if activations is not None else 0
+    if held >= size:
+        return None
+    if held:
+        how += f"; {(size - held) / MiB:.0f} MiB beyond the activations, freed by then"
+    return Part("step temporaries", size - held, "device", how)
 
 
 STAGED = ("parameters", "fp32 master weights", "optimizer state", "buffers")  # what a checkpoint holds

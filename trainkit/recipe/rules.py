@@ -191,11 +191,14 @@ def quantized_base_fits_the_run(r: Recipe) -> Iterator[Finding]:
     if why:
         yield where, (f"quantize_base: {quantized} with strategy {r.strategy.name} is refused: {why}; use strategy ddp "
                       "(one process or data parallel), or drop quantize_base")
-    if r.parallel is not None and isinstance(r.parallel.tp, int) and r.parallel.tp > 1:
+    # the resolved degrees (-1 takes the ranks left over); an elastic world, unknown here: any degree but 1
+    dims = r.parallel_dims(r.world_size) if r.parallel is not None and r.world_size else None
+    tp = dims.tp if dims else (r.parallel.tp if r.parallel is not None else 1)
+    replicas = dims.dp_replicate if dims else (r.parallel.dp_replicate if r.parallel is not None else 1)
+    if tp != 1:
         yield where, (f"quantize_base: {quantized} with tensor parallel is refused: an NF4 weight cannot be split "
                       "into DTensor shards here; set parallel.tp: 1, or drop quantize_base")
-    elif r.parallel is not None and isinstance(r.parallel.dp_replicate, int) and r.parallel.dp_replicate > 1 \
-            and r.strategy.capabilities().shards_parameters:
+    elif replicas != 1 and r.strategy.capabilities().shards_parameters:
         yield where, (f"quantize_base: {quantized} with HSDP (parallel.dp_replicate > 1) is refused: not verified "
                       "(the NF4 base is sharded over one mesh dimension, as torchtune does); set "
                       "parallel.dp_replicate: 1, or drop quantize_base")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from ..recipe.memory_plan import ModelSizes
 
-FORMAT = 1
+FORMAT = 2  # 2: ModelSizes.largest_parameter
 LIBRARIES = ("torch", "torchvision", "transformers", "peft")
 
 
