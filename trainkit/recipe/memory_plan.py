@@ -207,12 +207,12 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
     if L.builds_whole_model:
         parts.append(Part("whole model at build", P * FP32, "host",
                           f"{P:,} x 4 B: every rank builds the whole model, then keeps its stage"))
-    step = _step_temporaries(sizes, s, T, stored)
+    activations = _activations(sizes, s)
+    step = _step_temporaries(sizes, s, T, stored, activations.bytes if activations is not None else 0)
     if step is not None:
         parts.append(step)
     if sizes.buffer_bytes:
         parts.append(Part("buffers", sizes.buffer_bytes, "device", "the model's buffers (not sharded)"))
-    activations = _activations(sizes, s)
     if activations is not None:
         parts.append(activations)
     if s.async_save:
@@ -243,7 +243,7 @@ def _gathered_unit(largest_unit: int, unit_bytes: int, tp: int, name: str = "", 
                 f"2 x {elements:,} x {unit_bytes} B ({which}{slice_}, and the next prefetched)")
 
 
-def _step_temporaries(sizes: ModelSizes, s: Setting, trainable: int, stored: int) -> Optional[Part]:
+def _step_temporaries(sizes: ModelSizes, s: Setting, trainable: int, stored: int, held: int) -> Optional[Part]:
     """What a step allocates for a moment beyond the state, the larger of:
     - Adam's step: `exp_avg_sq.sqrt()` and its division by the bias correction are new tensors the size
       of what it steps at once. torch's single-tensor Adam (its choice for CPU tensors) steps one parameter
@@ -282,13 +282,11 @@ def _step_temporaries(sizes: ModelSizes, s: Setting, trainable: int, stored: int
     if not candidates or not sizes.largest_parameter:
         return None
     size, how = max(candidates)
-    # the step comes after the backward has freed the activations: only what exceeds them adds to the peak
-    activations = _activations(sizes, s)
-    held = activations.bytes if activations is not None else 0
+    # the step comes after the backward has freed the activations (`held`): only what exceeds them adds
     if held >= size:
         return None
-    if held:
-        how += f"; {(size - held) / MiB:.0f} MiB beyond the activations, freed by then"
+    if held >= MiB:
+        how += f"; the {(size - held) / MiB:.0f} MiB beyond the activations, freed by then"
     return Part("step temporaries", size - held, "device", how)
 
 
