@@ -7,6 +7,7 @@
 #   bash bench/gpu_tier.sh OUT            # speed + tests  (~7 min on one H200)
 #   bash bench/gpu_tier.sh OUT grid       # the grid on one device (~3 min), recorded as `gpu-1`
 #   bash bench/gpu_tier.sh OUT checkpoint # async_save's blocking time per save, pinned staging (~1.5 min)
+#   bash bench/gpu_tier.sh OUT images     # JPEG decoding on the GPU against the loader's, images/s (~1 min)
 #   bash bench/gpu_tier.sh OUT install    # only the wheels below and the environment report
 #
 # Where the node lacks trainkit's dependencies and has no index, put their wheels in .whl/ (the
@@ -31,6 +32,10 @@ fi
 [ "$STAGE" = install ] && exit 0
 if [ "$STAGE" = checkpoint ]; then  # async_save's blocking time with pinned, reused staging (~1.5 min)
   timeout 240 "$PY" bench/checkpoint_blocking.py --device cuda --nproc 1 --pairs 5 2>&1 | tee "$OUT/checkpoint.log"
+  exit 0
+fi
+if [ "$STAGE" = images ]; then  # data.decode: device against the loader's decoding, per part (~1 min)
+  timeout 120 "$PY" bench/image_decode.py --device cuda --pairs 7 --images 256 2>&1 | tee "$OUT/image_decode.log"
   exit 0
 fi
 if [ "$STAGE" = grid ]; then

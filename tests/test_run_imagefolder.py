@@ -1,5 +1,6 @@
-"""End to end on real image files: generated ImageFolder, JPEG/PNG decoding in DataLoader workers,
-a corrupt file skipped and counted, evaluation, 2 DDP ranks."""
+"""End to end on real image files: generated ImageFolder, JPEG/PNG decoding in DataLoader workers (or,
+with data.decode: device, on the rank's device from the bytes the workers read), a corrupt file skipped
+and counted, evaluation, 2 DDP ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from run_helpers import mlp_recipe, summary, trainkit
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 
-def test_imagefolder_run_with_workers_and_a_counted_corrupt_image(tmp_path):
+@pytest.mark.parametrize("decode", ["loader", "device"])
+def test_imagefolder_run_with_workers_and_a_counted_corrupt_image(tmp_path, decode):
     made = trainkit(tmp_path, "data", "make-imagefolder", "imgs", "--classes", "4", "--per-class", "8",
                     "--size", "40", "--seed", "1", timeout=120)
     assert made.returncode == 0, made.output
@@ -23,7 +25,8 @@ def test_imagefolder_run_with_workers_and_a_counted_corrupt_image(tmp_path):
         tmp_path, "images",
         model={"name": "small_cnn", "args": {"num_classes": 4, "width": 8}},
         data={"name": "imagefolder", "root": "imgs", "val_root": "imgs", "image_size": 32, "batch_size": 4,
-              "num_workers": 2, "prefetch_factor": 2, "persistent_workers": True, "on_corrupt": "skip"},
+              "num_workers": 2, "prefetch_factor": 2, "persistent_workers": True, "on_corrupt": "skip",
+              "decode": decode},
         trainer={"max_steps": 6, "log_every": 2, "eval_every": 3, "eval_steps": 2, "checkpoint": {"every": 3}})
     result = trainkit(tmp_path, "run", str(recipe))
     assert result.returncode == 0, result.output

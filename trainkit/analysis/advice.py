@@ -191,6 +191,13 @@ def data_advice(recipe, env: dict, data: float, data_share: float, rate=None) ->
                               {"data.num_workers": 1}, {"data.num_workers": 0}, DATA, seen))
     else:
         needed = rate.workers_needed() if rate is not None and rate.headroom < 1.05 else None
+        onto_device = d.device_loading(env.get("device", "")) if needed is not None and needed > per_rank else None
+        if onto_device is not None:
+            changes, was, does = onto_device
+            out.append(Advice(data_share * 0.8, f"the loader cannot keep up on this host's CPUs: one loader process "
+                              f"makes {rate.per_worker:,.0f} samples/s, the model alone takes {rate.consumed:,.0f} per "
+                              f"rank, so {needed} processes per rank are needed and there are {per_rank} CPU cores per "
+                              f"rank; {does}", changes, was, DATA, seen))
         if needed is not None and needed > per_rank:
             more = d.num_workers < per_rank  # use every core first, then the work per sample has to shrink
             out.append(Advice(data_share * 0.6, f"the loader cannot keep up on this host's CPUs: one loader process "

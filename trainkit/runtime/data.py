@@ -9,7 +9,6 @@ where `skipped` counts unreadable files replaced by the next readable one.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 import time
@@ -17,12 +16,13 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from .. import registry
 from ..recipe.pickle_check import SafeUnpickler, UnsafePickle
 from ..recipe.blocks import IMAGE_EXTENSIONS, Cifar10Data, DataOptions, ImageFolderData, SyntheticData, scan_imagefolder
 from . import progress_record
+from .device_decode import EncodedImageFolder, eval_resize
 from .loader_timing import TimedDataset, timed_collate
 from .parent_watch import die_with_parent
 
@@ -105,7 +105,7 @@ def image_transforms(image_size: int, train: bool):
     if train:
         steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
     else:
-        steps = [T.Resize(int(math.ceil(image_size * 256 / 224))), T.CenterCrop(image_size)]
+        steps = [T.Resize(eval_resize(image_size)), T.CenterCrop(image_size)]
     return T.Compose(steps + [T.ToTensor(), T.Normalize(MEAN, STD)])
 
 
@@ -113,6 +113,9 @@ def build_imagefolder(options: ImageFolderData, *, split: str, seed: int) -> Opt
     root = options.root if split == "train" else options.val_root
     if root is None:
         return None
+    if options.decode == "device":
+        return EncodedImageFolder(Path(root).expanduser(), options.image_size, split == "train", options.on_corrupt,
+                                  MEAN, STD)
     return ImageFolderDataset(Path(root).expanduser(), image_transforms(options.image_size, split == "train"),
                               options.on_corrupt)
 
@@ -225,9 +228,11 @@ def make_loader(dataset: Dataset, options: DataOptions, *, rank: int, world_size
         limit = None if eval_steps is None else eval_subset_size(options.batch_size, eval_steps, world_size)
         sampler = EvalSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, limit=limit)
     workers = options.num_workers
+    collate = getattr(dataset, "collate", default_collate)  # a dataset whose samples need their own batching
     return DataLoader(
         # training batches come with the seconds their loader process spent on them (runtime.loader_timing)
-        TimedDataset(dataset) if train else dataset, collate_fn=timed_collate if train else None,
+        TimedDataset(dataset) if train else dataset,
+        collate_fn=functools.partial(timed_collate, collate=collate) if train else collate,
         batch_size=options.batch_size, sampler=sampler, num_workers=workers,
         pin_memory=pin_memory, drop_last=options.drop_last if train else False,
         prefetch_factor=options.prefetch_factor if workers else None,

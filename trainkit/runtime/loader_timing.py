@@ -60,7 +60,7 @@ class TimedDataset(Dataset):
         return getattr(self.dataset, name)
 
 
-def timed_collate(samples) -> Produced:
-    batch = default_collate(list(samples))
+def timed_collate(samples, collate=default_collate) -> Produced:
+    batch = collate(list(samples))
     started = getattr(samples, "started", None)
     return Produced(batch, 0.0 if started is None else time.perf_counter() - started)

@@ -1,0 +1,81 @@
+"""`data.decode: device` against the loader's own decoding: the same crops, flips and pixels (within
+one level of 255 from the resize kernels), unreadable files skipped or named as before. In-process;
+the run with loader workers is in tests/test_run_imagefolder.py, the CUDA decoder in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainkit.recipe.blocks import ImageFolderData
+from trainkit.runtime.data import STD, build_imagefolder
+from trainkit.runtime.imagefolder_maker import make_imagefolder
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """8 PNGs and 8 JPEGs of 64 x 64 (make_imagefolder alternates the formats)."""
+    return make_imagefolder(tmp_path_factory.mktemp("decode") / "imgs", classes=2, per_class=8, size=64, seed=0)
+
+
+def datasets(root, split: str, **options):
+    made = {decode: ImageFolderData(name="imagefolder", root=str(root), val_root=str(root), batch_size=4,
+                                    image_size=48, decode=decode, **options) for decode in ("loader", "device")}
+    return {decode: build_imagefolder(o, split=split, seed=0) for decode, o in made.items()}
+
+
+def levels_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in levels of 255 of the un-normalised pixels."""
+    return ((a - b) * torch.tensor(STD).view(1, 3, 1, 1) * 255).abs()
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_the_device_path_gives_the_loaders_batch(images, split):
+    by = datasets(images, split)
+    n = len(by["loader"])
+    torch.manual_seed(3)  # the augmentation's draws: the same calls in the same order on both paths
+    on_host = torch.stack([by["loader"][i][0] for i in range(n)])
+    torch.manual_seed(3)
+    samples = [by["device"][i] for i in range(n)]
+    images_, labels, skipped = by["device"].collate(samples)
+    on_device = images_.to("cpu")
+    assert on_device.shape == on_host.shape == (n, 3, 48, 48) and on_device.dtype == torch.float32
+    assert labels.tolist() == [by["loader"][i][1] for i in range(n)] and skipped.sum() == 0
+    apart = levels_apart(on_host, on_device)
+    assert apart.max() <= 1.0 + 1e-4, apart.max()  # resize kernels round differently by at most one level
+    assert apart.mean() < 0.1, apart.mean()  # ... and rarely
+    if split == "train":  # the crops really are random (else equality above would be trivial for eval)
+        assert {s[0].crop for s in samples} != {samples[0][0].crop} and any(s[0].flip for s in samples)
+        assert {s[0].encoded for s in samples} == {True, False}  # JPEG bytes and decoded PNGs both
+
+
+def test_unreadable_files_are_skipped_and_counted_or_named(tmp_path):
+    root = make_imagefolder(tmp_path / "imgs", classes=1, per_class=6, size=32, seed=1)
+    files = sorted((root / "class_00").iterdir())
+    jpgs = [f for f in files if f.suffix == ".jpg"]
+    (root / "class_00" / "img_0000.png").write_bytes(b"not an image")
+    jpgs[0].write_bytes(jpgs[0].read_bytes()[:200])  # truncated: a partial download
+    by = datasets(root, "train", on_corrupt="skip")
+    device = by["device"]
+    got = [device[i] for i in range(len(device))]
+    skips = [s[2] for s in got]
+    assert skips == [by["loader"][i][2] for i in range(len(files))]  # replaced and counted as the loader does
+    assert skips[0] == 2 and sum(skips) == 3  # the PNG, then the truncated JPEG after it; that JPEG once more
+    assert len(device.collate(got)[0].to("cpu")) == len(files)
+
+    device = datasets(root, "train")["device"]  # on_corrupt: error
+    with pytest.raises(RuntimeError, match=f"unreadable image {jpgs[0]}.*on_corrupt: skip"):
+        device[files.index(jpgs[0])]
+
+
+def test_a_jpeg_whose_data_is_broken_stops_the_batch_naming_the_file(tmp_path):
+    root = make_imagefolder(tmp_path / "imgs", classes=1, per_class=4, size=32, seed=2)
+    broken = sorted((root / "class_00").glob("*.jpg"))[0]
+    data = bytearray(broken.read_bytes())
+    table = data.index(b"\xff\xc4")  # a Huffman table: its code counts made bogus (the header still reads)
+    data[table + 5:table + 21] = b"\xff" * 16
+    broken.write_bytes(bytes(data))
+    device = datasets(root, "train", on_corrupt="skip")["device"]
+    batch = device.collate([device[i] for i in range(len(device))])[0]
+    with pytest.raises(RuntimeError, match=f"unreadable image {broken}.*data.decode: loader"):
+        batch.to("cpu")

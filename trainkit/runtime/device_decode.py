@@ -1,0 +1,187 @@
+"""JPEG decoding on the rank's device (`data.decode: device`), for loaders that cannot keep up.
+
+Why: a ResNet on one GPU consumes thousands of images a second; decoding JPEGs with PIL in DataLoader
+workers needs a host core per few hundred of them, so the GPUs wait on the host. Here the workers
+only read each file's bytes and draw its augmentation (crop box, flip) from the JPEG header; the rank
+decodes the whole batch at once with torchvision's `decode_jpeg` on its device (nvJPEG on CUDA), and
+crops, resizes, flips and normalises there.
+
+The augmentation is drawn in the worker with the same torch calls, in the same order, as the host path
+(`runtime.data.image_transforms`), so with the same seed both paths crop and flip alike; the pixels
+then differ only by the JPEG decoder and the resize kernel (tests/test_device_decode.py measures it).
+
+Files that are not JPEGs (PNG, ...) are decoded in the worker as before and only transformed on the
+device. `on_corrupt` is applied in the worker to files whose header cannot be read or whose JPEG data
+is truncated (no end-of-image marker); a JPEG that passes both but whose data is broken is retried on
+the host with PIL, and stops the run naming the file if PIL cannot read it either (docs/data.md).
+
+Hand-written: torchvision gives the decoder and the functional transforms, not a loader that splits
+them between host and device (DALI does, but does not install here).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from ..recipe.blocks import IMAGE_EXTENSIONS, scan_imagefolder
+
+JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
+RESIZED_CROP_SCALE, RESIZED_CROP_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # torchvision's defaults
+
+
+class EncodedImage(NamedTuple):
+    """One sample's image as the worker leaves it: a JPEG's bytes (or, for other formats, its decoded
+    uint8 [3, H, W] pixels) and the augmentation drawn for it."""
+
+    data: torch.Tensor
+    encoded: bool  # data holds JPEG bytes (else decoded pixels)
+    path: str
+    crop: Optional[tuple[int, int, int, int]]  # training: (top, left, height, width) in the original
+    flip: bool
+
+
+class EncodedBatch:
+    """A batch of `EncodedImage`s. `.to(device)` decodes and transforms it there into the normalised
+    float [N, 3, S, S] batch the host path would have produced, so a task moves it like any input."""
+
+    def __init__(self, images: list[EncodedImage], image_size: int, mean, std):
+        self.images, self.image_size, self.mean, self.std = images, image_size, mean, std
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def pin_memory(self, device=None) -> "EncodedBatch":
+        return self  # the decoder reads the bytes from host memory itself; nothing to pin
+
+    def to(self, device, non_blocking: bool = False) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as F
+
+        device = torch.device(device)
+        pixels = _decode(self.images, device)
+        size = [self.image_size, self.image_size]
+        out = []
+        for image, img in zip(self.images, pixels):
+            if image.crop is not None:  # training: RandomResizedCrop + RandomHorizontalFlip
+                img = F.resized_crop(img, *image.crop, size=size, antialias=True)
+                if image.flip:
+                    img = F.horizontal_flip(img)
+            else:  # evaluation: Resize(S * 256 / 224) + CenterCrop(S)
+                img = F.center_crop(F.resize(img, [eval_resize(self.image_size)], antialias=True), size)
+            out.append(img)
+        batch = torch.stack(out).float().div_(255)
+        mean = torch.tensor(self.mean, device=device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, device=device).view(1, 3, 1, 1)
+        return batch.sub_(mean).div_(std)
+
+
+def eval_resize(image_size: int) -> int:
+    """The shorter side an evaluation image is resized to before its centre crop (both paths)."""
+    return int(math.ceil(image_size * 256 / 224))
+
+
+def _decode(images: list[EncodedImage], device: torch.device) -> list[torch.Tensor]:
+    """Each image's uint8 [3, H, W] pixels on `device`: the JPEGs in one batched call."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    jpegs = [i for i, image in enumerate(images) if image.encoded]
+    pixels: list[Optional[torch.Tensor]] = [None if image.encoded else image.data.to(device) for image in images]
+    if jpegs:
+        try:
+            decoded = decode_jpeg([images[i].data for i in jpegs], mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:  # one bad or unsupported file fails the batch: find it, decode the rest alone
+            decoded = [_decode_one(images[i], device) for i in jpegs]
+        for i, img in zip(jpegs, decoded):
+            pixels[i] = img
+    return pixels
+
+
+def _decode_one(image: EncodedImage, device: torch.device) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(image.data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        pass
+    try:  # a JPEG variant the device's decoder refuses (e.g. CMYK), or a broken one: the host decodes it
+        return _host_pixels(image.path).to(device)
+    except Exception as exc:  # PIL raises many types for bad files
+        raise RuntimeError(f"unreadable image {image.path}: {type(exc).__name__}: {exc} (its header and "
+                           "end marker read, so the loader could not skip it: remove the file, or use "
+                           "data.decode: loader, which decodes in the loader and can skip it)") from None
+
+
+def _host_pixels(path: str) -> torch.Tensor:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return _rgb_pixels(img)
+
+
+def _rgb_pixels(img) -> torch.Tensor:
+    """A PIL image's pixels as uint8 [3, H, W], decoded on the host."""
+    import numpy as np
+
+    return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
+
+
+class EncodedImageFolder(Dataset):
+    """An ImageFolder whose samples are `EncodedImage`s: read and augmentation drawn here (in the
+    loader's workers), decoded and transformed on the rank's device (`EncodedBatch.to`)."""
+
+    def __init__(self, root: Path, image_size: int, train: bool, on_corrupt: str, mean, std):
+        self.root, self.image_size, self.train, self.on_corrupt = root, image_size, train, on_corrupt
+        self.mean, self.std = mean, std
+        self.classes, self.samples = scan_imagefolder(root)
+        if not self.samples:
+            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class>/")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _load(self, i: int) -> tuple[EncodedImage, int]:
+        from PIL import Image
+        from torchvision.transforms import RandomResizedCrop
+
+        path, label = self.samples[i]
+        data = Path(path).read_bytes()
+        with Image.open(path) as img:  # reads the header only: the size, for the crop box
+            encoded = img.format == "JPEG"
+            if encoded and not data.rstrip(b"\0").endswith(JPEG_END):
+                raise OSError("truncated JPEG (no end-of-image marker)")
+            pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8) if encoded else None
+            crop, flip = None, False
+            if self.train:  # the same draws, in the same order, as RandomResizedCrop + RandomHorizontalFlip
+                crop = tuple(int(v) for v in RandomResizedCrop.get_params(img, list(RESIZED_CROP_SCALE),
+                                                                          list(RESIZED_CROP_RATIO)))
+                flip = bool(torch.rand(1) < 0.5)
+            if not encoded:
+                pixels = _rgb_pixels(img)
+        return EncodedImage(pixels.contiguous(), encoded, str(path), crop, flip), label
+
+    def __getitem__(self, i: int):
+        skipped = 0
+        for attempt in range(len(self.samples)):
+            j = (i + attempt) % len(self.samples)
+            try:
+                image, label = self._load(j)
+                return image, label, skipped
+            except Exception as exc:  # PIL raises many types for bad files
+                path = self.samples[j][0]
+                if self.on_corrupt == "error":
+                    raise RuntimeError(f"unreadable image {path}: {type(exc).__name__}: {exc} "
+                                       f"(set data.on_corrupt: skip to skip and count such files)") from None
+                print(f"trainkit: warning: skipping unreadable image {path}: {exc}", file=sys.stderr)
+                skipped += 1
+        raise RuntimeError(f"every image under {self.root} is unreadable")
+
+    def collate(self, samples) -> tuple[EncodedBatch, torch.Tensor, torch.Tensor]:
+        """The DataLoader's collate function for these samples (runtime.data.make_loader)."""
+        images, labels, skipped = zip(*samples)
+        return (EncodedBatch(list(images), self.image_size, self.mean, self.std),
+                torch.tensor(labels, dtype=torch.long), torch.tensor(skipped, dtype=torch.long))
