@@ -131,18 +131,14 @@ def test_tensor_parallel_is_refused_for_a_model_without_a_plan_and_asks_the_mode
         and "heads" in lines[0], lines
 
 
-def test_compile_with_tensor_parallel_is_refused_and_without_it_accepted(tmp_path, capsys):
-    """torch.compile over a tensor-parallel model crashed in the vocabulary-split embedding's hook
-    (and, with the embedding eager, compiled HF Llama TP blocks left one process's losses by 2e-3):
-    refused at performance.compile, naming tp; compile on a mesh without tp stays accepted."""
-    path = write(tmp_path, "{dp_shard: 2, tp: 2}")
-    path.write_text(path.read_text() + "performance: {compile: true}\n")
-    code, lines = validate(capsys, path)
-    assert code == 2 and len(lines) == 1 and ": performance.compile: performance.compile with tensor parallel " \
-        "(parallel.tp 2) is refused" in lines[0] and "set performance.compile: false, or parallel.tp: 1" in lines[0], lines
-    path = write(tmp_path, "{dp_replicate: 2, dp_shard: 2}")
-    path.write_text(path.read_text() + "performance: {compile: true}\n")
-    assert validate(capsys, path) == (0, [])
+def test_compile_with_tensor_parallel_is_accepted_alone_and_with_checkpointing(tmp_path, capsys):
+    """Refused until issue 40 (the embedding's collective reached the first compiled block in flight and
+    its gradient came back wrong); the compatibility grid now trains both (compile x tp cells)."""
+    for performance in ("{compile: true}", "{compile: true, activation_checkpointing: full}"):
+        for mesh in ("{dp_shard: 2, tp: 2}", "{dp_replicate: 2, dp_shard: 2}"):
+            path = write(tmp_path, mesh)
+            path.write_text(path.read_text() + f"performance: {performance}\n")
+            assert validate(capsys, path) == (0, []), (mesh, performance)
 
 
 def test_the_pipelines_data_parallel_is_an_alias_of_dp_replicate(tmp_path, capsys):

@@ -50,12 +50,6 @@ def _at(r: Any, world_size: int) -> Iterator[Finding]:
         why = facts_for(r.model.name).tensor_parallel_refusal(dims.tp, dict(r.model.args))
         if why:
             yield ("parallel", "tp"), f"model {r.model.name} cannot be split over tp {dims.tp} ranks: {why}"
-    if dims.tp > 1 and r.performance.compile_options is not None:
-        yield ("performance", "compile"), (
-            f"performance.compile with tensor parallel (parallel.tp {dims.tp}) is refused: torch.compile cannot "
-            "trace the vocabulary-split embedding (its token mask meets fake tensors), and with the embedding left "
-            "eager the compiled TP blocks of hf_causal_lm followed one process only to 2e-3 at step 2 (torch 2.14); "
-            "set performance.compile: false, or parallel.tp: 1")
 
 
 def fills_the_world(p: ParallelOptions, world_size: int, launch: Any) -> Optional[str]:

@@ -26,7 +26,7 @@ from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compil
 from ..runtime.dcp_state import load_dcp, state_for_dcp
 from ..runtime.quantized import frozen_quantized, shard_problem, whole_from_dcp
 from .base import Strategy, replicated_buffers
-from .tensor_parallel import apply_tensor_parallel, full_tensor, loss_context
+from .tensor_parallel import apply_tensor_parallel, full_tensor, loss_context, settle_collectives_before_compiled_blocks
 
 def blocks_to_wrap(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     """The modules sharded as units: `runtime.performance.repeated_blocks` (the classes named, or the
@@ -207,6 +207,8 @@ class FSDPStrategy(Strategy):
                   "full", flush=True)
         if self.tensor_parallel > 1:  # TP inside the layers first, then FSDP over the data-parallel ranks
             model = apply_tensor_parallel(model, self.mesh_owner.view("tp"), loss_parallel=self.loss_parallel)
+            if self.performance.compile_options is not None:
+                settle_collectives_before_compiled_blocks(model, blocks_to_wrap(model, self.options.wrap))
         self.mesh = self.shard_mesh()
         unsplittable = [why for name, p in model.named_parameters() if frozen_quantized(p)
                         for why in [shard_problem(name, p, self.mesh.size())] if why]

@@ -86,7 +86,13 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # PEFT LoRA adapters on a Hugging Face model, its base frozen (issue 39): FSDP units holding frozen and
     # trainable parameters, DDP's unused-parameter rules, ZeRO's partitions of a partly frozen model
     "lora": {"model": {"args": {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}}},
+    # torchtitan's order (issue 40): each block checkpointed, then compiled, then wrapped or sharded
+    "compile+checkpointing": {"performance": {"compile": True, "activation_checkpointing": "full"}},
 }
+# options that are several options together: declared in the cells where users combine them (COMBINED),
+# not paired with every value of the other axes (the all-pairs set pairs each single option)
+COMBINED_OPTIONS = ("compile+checkpointing",)
+PAIRED_OPTIONS = [name for name in OPTIONS if name not in COMBINED_OPTIONS]
 
 INITS: dict[str, dict[str, Any]] = {
     "seeded": {"model": {"init": "seeded"}},
@@ -195,7 +201,7 @@ def refused_pairs() -> dict[tuple[str, str, str, str], Cell]:
 def _pair_covering() -> Covering:
     # the option's pairs first: tried orders gave 60 rows (9 of them compile, one per strategy that takes it
     # beside the FSDP regression) against 62 (10) for strategy first
-    axes = {"option": list(OPTIONS), "precision": list(PRECISIONS), "strategy": list(STRATEGIES),
+    axes = {"option": PAIRED_OPTIONS, "precision": list(PRECISIONS), "strategy": list(STRATEGIES),
             "model": list(MODELS), "init": list(INITS)}
     def row(c: Cell) -> dict[str, str]:
         return {"strategy": c.strategy, "option": c.option, "precision": c.precision, "model": c.model,
@@ -218,11 +224,20 @@ REGRESSIONS = [
 # every combination a parallel: block makes (issue 30; meshes.py says which and why)
 MESH_CELLS = [Cell(*row) for row in MESH_ROWS]
 
+# compile with activation checkpointing where users run it (issue 40): DDP, FSDP, HSDP's replicate
+# dimension and FSDP x TP, on the transformer whose blocks torchtitan checkpoints and compiles this way
+COMBINED = [
+    Cell("ddp", "transformer", "fp32", "compile+checkpointing"),
+    Cell("fsdp", "transformer", "fp32", "compile+checkpointing"),
+    Cell("fsdp", "transformer", "fp32", "compile+checkpointing", mesh="replicate"),
+    Cell("fsdp", "transformer", "fp32", "compile+checkpointing", mesh="tp"),
+]
+
 
 def declared_cells() -> list[Cell]:
     """The grid: the core cells, then the pairwise ones and the regressions not already among them."""
     out: list[Cell] = []
-    for cell in core_cells() + pairwise_cells() + REGRESSIONS + MESH_CELLS:
+    for cell in core_cells() + pairwise_cells() + REGRESSIONS + MESH_CELLS + COMBINED:
         if cell not in out:
             out.append(cell)
     return out

@@ -71,9 +71,11 @@ MESH_ROWS: list[tuple[str, str, str, str, str, str]] = [
     ("fsdp", "hf-llama", "fp32", "lora", "constructor", "dp_replicate-dp_shard"),
     # 3-D on 8 ranks: pp 2 x dp_shard 2 x tp 2, clipping across stages and meshes
     ("pipeline", "transformer", "fp32", "grad_clip", "seeded", "pp-dp_shard-tp"),
-    # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension,
-    # compile (performance.compile under tp: the mesh rules)
+    # compile x tp (issue 40): each block compiled after its split, the vocabulary-split embedding eager;
+    # refused until 2026-11-29 (the embedding's unfinished collective reached the first compiled block)
     ("fsdp", "transformer", "fp32", "compile", "seeded", "tp"),
+    ("fsdp", "hf-llama", "fp32", "compile", "constructor", "tp"),
+    # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension
     ("fsdp", "mlp", "fp32", "none", "seeded", "tp"),
     ("fsdp", "resnet18", "fp32", "none", "seeded", "tp"),
     ("ddp", "transformer", "fp32", "none", "seeded", "tp"),

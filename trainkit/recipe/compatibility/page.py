@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .grid import BF16_PARAMETERS, LATER_STEPS_WITH_BATCHNORM, MESH_CELLS, MODELS, OPTIONS, PRECISIONS, REGRESSIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
+from .grid import BF16_PARAMETERS, COMBINED, LATER_STEPS_WITH_BATCHNORM, MESH_CELLS, MODELS, OPTIONS, PRECISIONS, REGRESSIONS, STEPS, STRATEGIES, TOLERANCE, WORLD, core_cells, \
     pairwise_cells, refused_pairs
 from .effects import load_effects, section as effect_section
 from .results import RESULTS, load_results
@@ -69,6 +69,13 @@ def markdown(results: dict[str, Any], effects: Optional[dict[str, Any]] = None) 
               "| strategy | mesh | option | precision | model | init | status |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {s.cell.strategy} | {s.cell.mesh} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | "
               f"{s.cell.init} | {_verdict(s, results, refusals)} |" for s in meshes]
+    lines += ["", "## Options together: compile with activation checkpointing (issue 40)", "",
+              "`performance: {compile: true, activation_checkpointing: full}`: each block checkpointed, then "
+              "compiled, then wrapped or sharded (torchtitan's order), on the strategies and meshes users run it "
+              "on. Its reference is the same recipe eager (checkpointing changes no arithmetic).", "",
+              "| strategy | mesh | option | precision | model | init | status |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {s.cell.strategy} | {s.cell.mesh} | {s.cell.option} | {s.cell.precision} | {s.cell.model} | "
+              f"{s.cell.init} | {_verdict(s, results, refusals)} |" for s in statuses(COMBINED)]
     lines += ["", *effect_section(load_effects() if effects is None else effects)]
     lines += ["## Refused, and what to use instead", "",
               "Each refusal is `trainkit validate`'s own message, from the rule the strategy, option or model "

@@ -159,7 +159,10 @@ def axes_of(recipe: Any) -> Optional[dict[str, str]]:
     if base is None:
         return None
     options = [name for name, fragment in OPTIONS.items() if fragment
-               and any(_at(dump, key) != _at(base, key) for key in _leaves(fragment))]
+               and all(_at(dump, key) != _at(base, key) for key in _leaves(fragment))]
+    # an option of several (compile+checkpointing) stands for the single ones it holds
+    options = [name for name in options if not any(other != name and _holds(OPTIONS[other], OPTIONS[name])
+                                                   for other in options)]
     if len(options) > 1:  # a cell holds one option: several together are not a cell
         return None
     return {**axes, "option": options[0] if options else "none"}
