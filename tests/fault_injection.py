@@ -26,8 +26,9 @@ faults never leak into another's run.
 - TRAINKIT_FAULT_RECORD_SAMPLES=DIR: every rank records a hash of each training sample it sees.
 - TRAINKIT_FAULT_COUNT_COLLECTIVES=DIR: count gradient reductions (DDP: comm-hook calls, through a
   counting all-reduce hook; FSDP2: `dist.reduce_scatter_single` calls) and append one line per
-  optimizer step to DIR/collectives-rank<R>.jsonl: {"step", "calls", "rounds"} (rounds: DDP
-  calls for bucket 0, i.e. how many times the gradients were all-reduced).
+  optimizer step to DIR/collectives-rank<R>.jsonl: {"step", "calls", "rounds", "all_gather_bytes"}
+  (rounds: DDP calls for bucket 0, i.e. how many times the gradients were all-reduced;
+  all_gather_bytes: what this rank sent into FSDP2's parameter all-gathers, `dist.all_gather_single`).
 - TRAINKIT_FAULT_PROBE_FSDP=DIR: for every FSDP unit below the root, record per optimizer step how
   many times its forward ran in training (activation checkpointing reruns it in backward), the
   dtype of its output, its parameters' device and its offload policy, as lines of
@@ -495,18 +496,25 @@ def install_collective_count(*, model, rank: int) -> list:
         model.register_comm_hook(None, counting_allreduce)
     else:
         original = dist.reduce_scatter_single
+        all_gather = dist.all_gather_single
+        counts["all_gather_bytes"] = 0
 
         def counting_reduce_scatter(*args, **kwargs):
             counts["calls"] += 1
             return original(*args, **kwargs)
 
+        def counting_all_gather(output_tensor, input_tensor, *args, **kwargs):
+            counts["all_gather_bytes"] += input_tensor.numel() * input_tensor.element_size()
+            return all_gather(output_tensor, input_tensor, *args, **kwargs)
+
         dist.reduce_scatter_single = counting_reduce_scatter
+        dist.all_gather_single = counting_all_gather
     path = os.path.join(folder, f"collectives-rank{rank}.jsonl")
 
     def record(step: int) -> None:
         with open(path, "a") as fh:
             fh.write(json.dumps({"step": step, **counts}) + "\n")
-        counts.update(calls=0, rounds=0)
+        counts.update({key: 0 for key in counts})
 
     return [record]
 

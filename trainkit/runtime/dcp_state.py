@@ -14,7 +14,34 @@ def state_for_dcp(model, optimizer) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": flat_for_dcp(model_sd), "optim": optim_sd}, model_sd
+    return {"model": unwrapped(flat_for_dcp(model_sd)), "optim": unwrapped(optim_sd)}, model_sd
+
+
+def unwrapped(state):
+    """`state` with every value held by a wrapper subclass of one inner tensor of its own dtype (torchao's
+    float8 training weight under FSDP's float8 all-gather, and the optimizer moments made like it) as that
+    inner tensor, the same storage: DCP would pickle the wrapper, which `trainkit export` and `torch.load`
+    (weights_only) refuse to read. Loading writes through the inner tensor into the wrapper's values."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(state, dict):
+        return {key: unwrapped(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [unwrapped(value) for value in state]
+    if not isinstance(state, torch.Tensor):
+        return state
+    local = state.to_local() if isinstance(state, DTensor) else state
+    if type(local) is torch.Tensor or not is_traceable_wrapper_subclass(local):
+        return state
+    inner = [getattr(local, name) for name in local.__tensor_flatten__()[0]]
+    if len(inner) != 1 or inner[0].dtype != local.dtype:
+        return state  # a quantized subclass (NF4): flat_for_dcp's
+    if isinstance(state, DTensor):
+        return DTensor.from_local(inner[0], state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    return inner[0]
 
 
 def load_dcp(folder: Path, model, optimizer) -> None:

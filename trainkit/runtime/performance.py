@@ -100,17 +100,19 @@ def set_backend_flags(perf: PerformanceOptions) -> None:
     torch.backends.cudnn.benchmark = perf.cudnn_benchmark
 
 
-def prepare_model(model: nn.Module, perf: PerformanceOptions, *, contiguous_parameters: bool = False) -> nn.Module:
+def prepare_model(model: nn.Module, perf: PerformanceOptions, *, contiguous_parameters: bool = False,
+                  float8_all_gather: bool = False) -> nn.Module:
     """Model-wide conversions before the strategy wraps the model: SyncBatchNorm (DDP only, checked
     before launch) and the channels_last memory format of 4-D parameters -- unless the strategy keeps
     parameters contiguous (FSDP, ZeRO: `Capabilities.contiguous_parameters`), where the inputs alone
-    are channels_last (FSDP refuses non-contiguous parameters)."""
+    are channels_last (FSDP refuses non-contiguous parameters); float8 linears, whose weights FSDP then
+    all-gathers in float8 where the strategy says so (`Strategy.float8_all_gather`)."""
     if perf.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if perf.channels_last and not contiguous_parameters:
         model = model.to(memory_format=torch.channels_last)
     if perf.float8:
-        convert_to_float8(model)
+        convert_to_float8(model, fsdp_all_gather=float8_all_gather)
     return model
 
 
@@ -122,12 +124,15 @@ def float8_linears(model: nn.Module) -> list[str]:
     return [name for name, m in linears[:-1] if m.in_features % 16 == 0 and m.out_features % 16 == 0]
 
 
-def convert_to_float8(model: nn.Module) -> list[str]:
+def convert_to_float8(model: nn.Module, *, fsdp_all_gather: bool = False) -> list[str]:
     """torchao's float8 training (dynamic tensorwise scaling) on `float8_linears(model)`, in place: each
     becomes a `Float8Linear` -- an nn.Linear subclass with the same parameters and names, so checkpoints
     load either way -- whose forward and backward matmuls cast to float8 with a fresh scale per tensor.
-    Returns the converted names. Before the strategy wraps the model (FSDP shards Float8Linear as any
-    Linear; its float8 all-gather is not enabled)."""
+    Returns the converted names. Before the strategy wraps the model. With `fsdp_all_gather`, each
+    weight is cast to float8 before FSDP all-gathers it (torchao's `enable_fsdp_float8_all_gather`, as
+    torchtitan runs it): half the bytes of a bf16 all-gather, and the gathered weight is already the
+    matmul's float8 input; the strategy then refreshes the scales after each optimizer step
+    (`precompute_float8_scales`)."""
     import logging
 
     # torchao's import registers an Enum with torch's pytree, which logs a deprecation warning on every
@@ -139,9 +144,21 @@ def convert_to_float8(model: nn.Module) -> list[str]:
         from torchao.float8 import convert_to_float8_training
     finally:
         pytree_log.setLevel(level)
+    from torchao.float8 import Float8LinearConfig
+
     chosen = set(float8_linears(model))
-    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in chosen)
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather),
+                               module_filter_fn=lambda module, fqn: fqn in chosen)
     return sorted(chosen)
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step under FSDP's float8 all-gather: every float8 weight's scale for the next
+    all-gathers, from one all-reduce of all their maxima instead of one per weight (torchao's
+    `precompute_float8_dynamic_scale_for_fsdp`, which torchtitan calls after each step)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def checkpointed_blocks(model: nn.Module, ac: ActivationCheckpointingOptions) -> list[nn.Module]:
@@ -223,5 +240,6 @@ def channels_last_input(x):
 
 
 __all__ = ["apply_activation_checkpointing", "channels_last_input", "checkpoint_blocks", "checkpointed_blocks",
-           "compile_kwargs", "compile_module", "block_classes", "convert_to_float8", "float8_linears", "prepare_model",
+           "compile_kwargs", "compile_module", "block_classes", "convert_to_float8", "float8_linears",
+           "precompute_float8_scales", "prepare_model",
            "repeated_blocks", "set_backend_flags"]

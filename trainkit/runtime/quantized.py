@@ -7,14 +7,20 @@ import torch
 
 
 def frozen_quantized(t: torch.Tensor) -> bool:
-    """A frozen weight held by a quantized tensor subclass, or FSDP2's DTensor shard of one."""
+    """A frozen weight held by a quantized tensor subclass, or FSDP2's DTensor shard of one. A subclass
+    that keeps its values as one tensor of its own dtype is not quantized: torchao's float8 training
+    weight (`WeightWithDynamicFloat8CastTensor`, FSDP's float8 all-gather) holds the full-precision
+    weight and casts only when it is gathered -- and a state dict's values have requires_grad off."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if t.requires_grad or not is_traceable_wrapper_subclass(t):
         return False  # a plain tensor: nothing more to import (an export measures its own memory)
     from torch.distributed.tensor import DTensor
 
-    return frozen_quantized(t.to_local()) if isinstance(t, DTensor) else True
+    if isinstance(t, DTensor):
+        return frozen_quantized(t.to_local())
+    inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    return not (len(inner) == 1 and inner[0].dtype == t.dtype)
 
 
 def stored_parts(t: torch.Tensor) -> dict[str, torch.Tensor]:

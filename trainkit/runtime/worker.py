@@ -75,7 +75,8 @@ def train(run_dir: Path, recipe: Recipe, recipe_data: dict, device: torch.device
         phases.say(f"float8: {len(float8_linears(model))} of {linears} Linear layers compute in float8 (the output "
                    f"head and layers with a dimension not divisible by 16 stay bf16)")
     model = prepare_model(model, recipe.performance,  # SyncBatchNorm, channels_last, float8: before wrapping
-                          contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters)
+                          contiguous_parameters=recipe.strategy.capabilities().contiguous_parameters,
+                          float8_all_gather=strategy.float8_all_gather)
     if any(type(m).needs_comm_time for m in recipe.monitors):
         strategy.comm_timer = CommTimer()
     pretrained = pretrained_source(model)  # weights the model was built without (runtime.pretrained)

@@ -98,6 +98,11 @@ class Strategy:
         return self.capabilities.reshards_on_load
 
     @property
+    def float8_all_gather(self) -> bool:
+        """float8 linears' weights are cast to float8 before this strategy all-gathers them (FSDP)."""
+        return False
+
+    @property
     def splits_model(self) -> bool:
         """Ranks hold different parts of the model (pipeline stages): MFU credits each rank's own FLOPs."""
         return self.capabilities.splits_model

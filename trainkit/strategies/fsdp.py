@@ -22,7 +22,8 @@ from ..recipe.blocks import ActivationCheckpointingOptions, CompileOptions, Perf
 from ..runtime.materialize import after_seeded_init, check_seedable, has_meta_parameters, owners, parameter_name, \
     seeded_values
 from ..runtime.model import build_model
-from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, repeated_blocks
+from ..runtime.performance import checkpoint_blocks, checkpointed_blocks, compile_module, precompute_float8_scales, \
+    repeated_blocks
 from ..runtime.dcp_state import load_dcp, state_for_dcp
 from ..runtime.quantized import frozen_quantized, shard_problem, whole_from_dcp
 from .base import Strategy, replicated_buffers
@@ -238,6 +239,20 @@ class FSDPStrategy(Strategy):
             self.run_mesh = RunMesh.build(ParallelDims(dp_shard=self.world_size), self.device.type)
             self.device_mesh = self.run_mesh.device_mesh
         return self.run_mesh
+
+    @property
+    def float8_all_gather(self) -> bool:
+        """With `performance.float8`, FSDP gathers the float8 linears' weights in float8 (torchao), half
+        a bf16 all-gather's bytes. Not with tensor parallel (the weights are DTensors over tp, which
+        torchao's float8 all-gather does not split) or cpu_offload (the cast would run on the host's
+        shard each step): not verified there."""
+        return self.performance.float8 and self.tensor_parallel == 1 and not self.options.cpu_offload
+
+    def optimizer_step(self, model, optimizer, precision, max_norm):
+        grad_norm = super().optimizer_step(model, optimizer, precision, max_norm)
+        if self.float8_all_gather:
+            precompute_float8_scales(model)
+        return grad_norm
 
     @property
     def tensor_parallel(self) -> int:
