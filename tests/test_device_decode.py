@@ -79,3 +79,20 @@ def test_a_jpeg_whose_data_is_broken_stops_the_batch_naming_the_file(tmp_path):
     batch = device.collate([device[i] for i in range(len(device))])[0]
     with pytest.raises(RuntimeError, match=f"unreadable image {broken}.*data.decode: loader"):
         batch.to("cpu")
+
+
+def test_tune_tries_decoding_on_the_gpu_for_an_image_folder_on_cuda(tmp_path):
+    """The bottleneck report's `data.decode: device` advice has a knob, so `trainkit tune` can prove it
+    (or not) on a GPU; not on a CPU run, and not for a dataset with nothing to decode."""
+    from run_helpers import mlp_recipe
+    from trainkit.launch import tune_knobs
+    from trainkit.recipe import resolve
+
+    knob = tune_knobs.all_knobs()["decode"]
+    images = resolve(str(mlp_recipe(tmp_path, "images", data={"name": "imagefolder", "root": str(tmp_path),
+                                                                  "batch_size": 4}))).recipe
+    assert tune_knobs.not_applicable(knob, images, {"cuda": True}) is None
+    assert knob.values(images, {"cuda": True}) == ["device"]
+    assert "CUDA" in tune_knobs.not_applicable(knob, images, {"cuda": False})
+    synthetic = resolve(str(mlp_recipe(tmp_path, "synthetic"))).recipe
+    assert "decodes nothing" in tune_knobs.not_applicable(knob, synthetic, {"cuda": True})

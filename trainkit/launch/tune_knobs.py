@@ -59,6 +59,12 @@ def _host_allocators(recipe: Recipe, facts: dict) -> list[str]:
     return [policy for policy in ("retain", "release") if policy != current]
 
 
+def _decodes_on_cuda(recipe: Recipe, facts: dict) -> Optional[str]:
+    if get(recipe, "data.decode") is None:
+        return f"dataset {recipe.data.name} decodes nothing (data.decode is imagefolder's)"
+    return _needs_cuda(recipe, facts)
+
+
 def _batch_values(recipe: Recipe, facts: dict) -> list[Any]:
     return [recipe.data.batch_size * 2, recipe.data.batch_size * 4]
 
@@ -84,6 +90,9 @@ KNOBS: list[Knob] = [
     Knob("persistent_workers", "data.persistent_workers", _flip("data.persistent_workers", True),
          applies=_needs_workers),
     Knob("pin_memory", "data.pin_memory", _flip("data.pin_memory", True), applies=_needs_cuda),
+    # JPEGs decoded on the GPU (runtime.device_decode): the loader processes only read files
+    Knob("decode", "data.decode", lambda r, f: ["device"] if get(r, "data.decode") == "loader" else [],
+         applies=_decodes_on_cuda),
     # training semantics (only with --allow)
     Knob("batch_size", "data.batch_size", _batch_values, semantic="batch", also=_batch_lr, note=_batch_note),
     Knob("precision", "precision", lambda r, f: ["bf16"] if r.precision == "fp32" else [], semantic="precision",
