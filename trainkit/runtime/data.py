@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -24,6 +23,7 @@ from ..recipe.blocks import IMAGE_EXTENSIONS, Cifar10Data, DataOptions, ImageFol
 from . import progress_record
 from .device_decode import EncodedImageFolder, eval_resize
 from .loader_timing import TimedDataset, timed_collate
+from .readable_samples import first_readable
 from .parent_watch import die_with_parent
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -83,20 +83,9 @@ class ImageFolderDataset(Dataset):
             return self.transform(img.convert("RGB")), label
 
     def __getitem__(self, i: int):
-        skipped = 0
-        for attempt in range(len(self.samples)):
-            j = (i + attempt) % len(self.samples)
-            try:
-                x, label = self._load(j)
-                return x, label, skipped
-            except Exception as exc:  # PIL raises many types for bad files
-                path = self.samples[j][0]
-                if self.on_corrupt == "error":
-                    raise RuntimeError(f"unreadable image {path}: {type(exc).__name__}: {exc} "
-                                       f"(set data.on_corrupt: skip to skip and count such files)") from None
-                print(f"trainkit: warning: skipping unreadable image {path}: {exc}", file=sys.stderr)
-                skipped += 1
-        raise RuntimeError(f"every image under {self.root} is unreadable")
+        (x, label), skipped = first_readable(self._load, [path for path, _ in self.samples], i, self.on_corrupt,
+                                             self.root)
+        return x, label, skipped
 
 
 def image_transforms(image_size: int, train: bool):

@@ -22,7 +22,6 @@ them between host and device (DALI does, but does not install here).
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -30,6 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..recipe.blocks import IMAGE_EXTENSIONS, scan_imagefolder
+from .readable_samples import first_readable
 
 JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
 RESIZED_CROP_SCALE, RESIZED_CROP_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # torchvision's defaults
@@ -165,20 +165,9 @@ class EncodedImageFolder(Dataset):
         return EncodedImage(pixels.contiguous(), encoded, str(path), crop, flip), label
 
     def __getitem__(self, i: int):
-        skipped = 0
-        for attempt in range(len(self.samples)):
-            j = (i + attempt) % len(self.samples)
-            try:
-                image, label = self._load(j)
-                return image, label, skipped
-            except Exception as exc:  # PIL raises many types for bad files
-                path = self.samples[j][0]
-                if self.on_corrupt == "error":
-                    raise RuntimeError(f"unreadable image {path}: {type(exc).__name__}: {exc} "
-                                       f"(set data.on_corrupt: skip to skip and count such files)") from None
-                print(f"trainkit: warning: skipping unreadable image {path}: {exc}", file=sys.stderr)
-                skipped += 1
-        raise RuntimeError(f"every image under {self.root} is unreadable")
+        (image, label), skipped = first_readable(self._load, [path for path, _ in self.samples], i,
+                                                 self.on_corrupt, self.root)
+        return image, label, skipped
 
     def collate(self, samples) -> tuple[EncodedBatch, torch.Tensor, torch.Tensor]:
         """The DataLoader's collate function for these samples (runtime.data.make_loader)."""
