@@ -55,6 +55,7 @@ def test_unreadable_files_are_skipped_and_counted_or_named(tmp_path):
     jpgs = [f for f in files if f.suffix == ".jpg"]
     (root / "class_00" / "img_0000.png").write_bytes(b"not an image")
     jpgs[0].write_bytes(jpgs[0].read_bytes()[:200])  # truncated: a partial download
+    jpgs[1].write_bytes(jpgs[1].read_bytes() + b"\xff\xd8 data a camera appended")  # readable, as PIL reads it
     by = datasets(root, "train", on_corrupt="skip")
     device = by["device"]
     got = [device[i] for i in range(len(device))]

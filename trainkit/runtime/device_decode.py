@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from ..recipe.blocks import IMAGE_EXTENSIONS, scan_imagefolder
 from .readable_samples import first_readable
 
-JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
+JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"  # start-of-scan and end-of-image markers
 RESIZED_CROP_SCALE, RESIZED_CROP_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # torchvision's defaults
 
 
@@ -78,6 +78,14 @@ class EncodedBatch:
         mean = torch.tensor(self.mean, device=device).view(1, 3, 1, 1)
         std = torch.tensor(self.std, device=device).view(1, 3, 1, 1)
         return batch.sub_(mean).div_(std)
+
+
+def complete_jpeg(data: bytes) -> bool:
+    """Whether a JPEG's last scan is followed by its end-of-image marker: a partial download is not.
+    Inside a scan's data 0xFF is always stuffed (0xFF00) or a restart marker, so an end marker after the
+    last start-of-scan is the real one; bytes some cameras append after it are allowed, as PIL allows them."""
+    last_scan = data.rfind(JPEG_SCAN)
+    return last_scan != -1 and data.rfind(JPEG_END) > last_scan
 
 
 def eval_resize(image_size: int) -> int:
@@ -152,8 +160,8 @@ class EncodedImageFolder(Dataset):
         data = Path(path).read_bytes()
         with Image.open(path) as img:  # reads the header only: the size, for the crop box
             encoded = img.format == "JPEG"
-            if encoded and not data.rstrip(b"\0").endswith(JPEG_END):
-                raise OSError("truncated JPEG (no end-of-image marker)")
+            if encoded and not complete_jpeg(data):
+                raise OSError("truncated JPEG (no end-of-image marker after its last scan)")
             pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8) if encoded else None
             crop, flip = None, False
             if self.train:  # the same draws, in the same order, as RandomResizedCrop + RandomHorizontalFlip
