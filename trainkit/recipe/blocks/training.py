@@ -158,7 +158,8 @@ class PerformanceOptions(Block):
         "compile": "step time (fused kernels, fewer launches; GPUs)",
         "channels_last": "step time of convolutions (tensor cores, CPUs with oneDNN)",
         "cudnn_benchmark": "step time of convolutions (GPUs)",
-        "float8": "step time of large matmuls (GPUs of compute capability 8.9+)",
+        "float8": "step time of large matmuls (GPUs of compute capability 8.9+); under FSDP, its weights' "
+                  "all-gather bytes halved (0.64x of all bytes on the test transformer, tests/test_float8.py)",
         "sync_batchnorm": "BatchNorm statistics over the global batch (what the model learns, not memory or speed)",
         "activation_checkpointing": "activations of recomputed blocks not held between forward and backward",
         "host_allocator": "host memory or step time (retain: no page faults; release: lowest resident memory)",
