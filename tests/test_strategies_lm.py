@@ -31,18 +31,19 @@ def test_fsdp_sharding_each_block_with_activation_checkpointing_matches(tmp_path
     assert summary(run_dir)["replicas_identical"]
 
 
-@pytest.mark.parametrize("mesh", [{}, {"parallel": {"tp": 2}, "data": {"batch_size": 8}}], ids=["fsdp", "fsdp-tp"])
-def test_fsdp_with_each_block_checkpointed_then_compiled_matches(tmp_path, corpus, one_rank, mesh):
-    """Issue 40: compile with activation checkpointing under FSDP on 2 ranks, torchtitan's order (each
-    TransformerBlock checkpointed, then compiled, then sharded), and under tensor parallel (each block
-    split over both ranks first; one data-parallel rank, so it reads the one-process run's batch of 8).
-    Every rank captured graphs, and the losses follow the one-process eager run within 1e-4 (inductor
-    reorders fp32 reductions; a wrong graph moves them > 1e-2). The grid's compile cells under tp hold
-    fp32's 1e-5, which a missed wait before the first compiled TP block exceeds (strategies/tensor_parallel.py)."""
+def test_fsdp_x_tp_with_each_block_split_checkpointed_then_compiled_matches(tmp_path, corpus, one_rank):
+    """Issue 40: compile with activation checkpointing under FSDP x TP on 2 ranks, torchtitan's order
+    (each TransformerBlock split over both ranks, checkpointed, compiled, then sharded; one data-parallel
+    rank, so it reads the one-process run's batch of 8). Every rank captured graphs -- which the grid's
+    compile cells, comparing losses only, would not notice missing -- and the losses follow the
+    one-process eager run within 1e-4 (inductor reorders fp32 reductions; a wrong graph moves them
+    > 1e-2). The grid's compile+checkpointing cells (DDP, FSDP, HSDP, FSDP x TP) hold fp32's 1e-5, which a
+    missed wait before the first compiled TP block exceeds (strategies/tensor_parallel.py)."""
     import json
 
-    path = write_recipe(tmp_path, "fsdp-ac-compile", tiny_lm(corpus), strategy={"name": "fsdp"},
-                        performance={"activation_checkpointing": "full", "compile": True}, **mesh)
+    path = write_recipe(tmp_path, "fsdp-tp-ac-compile", tiny_lm(corpus), strategy={"name": "fsdp"},
+                        performance={"activation_checkpointing": "full", "compile": True},
+                        parallel={"tp": 2}, data={"batch_size": 8})
     probe = tmp_path / "probe"
     probe.mkdir()
     run_dir = run(tmp_path, path, TRAINKIT_FAULT_PROBE_PERF=str(probe))

@@ -72,8 +72,8 @@ MESH_ROWS: list[tuple[str, str, str, str, str, str]] = [
     # 3-D on 8 ranks: pp 2 x dp_shard 2 x tp 2, clipping across stages and meshes
     ("pipeline", "transformer", "fp32", "grad_clip", "seeded", "pp-dp_shard-tp"),
     # compile x tp (issue 40): each block compiled after its split, the vocabulary-split embedding eager;
-    # refused until 2026-11-29 (the embedding's unfinished collective reached the first compiled block)
-    ("fsdp", "transformer", "fp32", "compile", "seeded", "tp"),
+    # refused until 2026-11-29 (the embedding's unfinished collective reached the first compiled block).
+    # The transformer's is grid.COMBINED's compile+checkpointing cell on tp.
     ("fsdp", "hf-llama", "fp32", "compile", "constructor", "tp"),
     # refused: models without a tensor-parallel plan (their facts), strategies without a tp dimension
     ("fsdp", "mlp", "fp32", "none", "seeded", "tp"),
