@@ -83,8 +83,7 @@ class ImageFolderDataset(Dataset):
             return self.transform(img.convert("RGB")), label
 
     def __getitem__(self, i: int):
-        (x, label), skipped = first_readable(self._load, [path for path, _ in self.samples], i, self.on_corrupt,
-                                             self.root)
+        (x, label), skipped = first_readable(self._load, self.samples, i, self.on_corrupt, self.root)
         return x, label, skipped
 
 

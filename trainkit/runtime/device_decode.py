@@ -12,8 +12,8 @@ then differ only by the JPEG decoder and the resize kernel (tests/test_device_de
 
 Files that are not JPEGs (PNG, ...) are decoded in the worker as before and only transformed on the
 device. `on_corrupt` is applied in the worker to files whose header cannot be read or whose JPEG data
-is truncated (no end-of-image marker); a JPEG that passes both but whose data is broken is retried on
-the host with PIL, and stops the run naming the file if PIL cannot read it either (docs/data.md).
+is truncated (no end-of-image marker after its last scan); a JPEG that passes both but whose data is broken is retried on
+the host with PIL, and stops the run naming the file if PIL cannot read it either (docs/performance.md).
 
 Hand-written: torchvision gives the decoder and the functional transforms, not a loader that splits
 them between host and device (DALI does, but does not install here).
@@ -173,8 +173,7 @@ class EncodedImageFolder(Dataset):
         return EncodedImage(pixels.contiguous(), encoded, str(path), crop, flip), label
 
     def __getitem__(self, i: int):
-        (image, label), skipped = first_readable(self._load, [path for path, _ in self.samples], i,
-                                                 self.on_corrupt, self.root)
+        (image, label), skipped = first_readable(self._load, self.samples, i, self.on_corrupt, self.root)
         return image, label, skipped
 
     def collate(self, samples) -> tuple[EncodedBatch, torch.Tensor, torch.Tensor]:

@@ -120,7 +120,7 @@ class ImageFolderData(DataOptions):
     decode: Literal["loader", "device"] = Field(
         default="loader", description="where JPEGs are decoded and augmented: in the loader's processes (PIL), "
         "or on the rank's device in one batched call (torchvision decode_jpeg: nvJPEG on CUDA), the loader "
-        "then only reading files; for GPUs whose loader cannot keep up (docs/data.md)")
+        "then only reading files; for GPUs whose loader cannot keep up (docs/performance.md)")
     layout_note: ClassVar[str] = ", class folders with images"
 
     def loading_work(self) -> str:
