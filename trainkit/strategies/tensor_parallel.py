@@ -51,18 +51,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_paralle
     return parallelize_module(model, tp_mesh, declare(loss_parallel=loss_parallel))
 
 
-def settle_collectives_before_compiled_blocks(model: nn.Module, blocks: list[nn.Module]) -> int:
-    """Make every module outside `blocks` hand on finished tensors, not collectives still in flight;
-    returns how many modules it hooked. For compiling the blocks of a tensor-parallel model.
+def settle_collectives_before_compiled_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Make every module outside `blocks` hand on finished tensors, not collectives still in flight.
+    For compiling the blocks of a tensor-parallel model.
 
     Why: torch's Rowwise/ColwiseParallel return their output's redistribution unfinished (an
     `AsyncCollectiveTensor`, waited on at its first use). The vocabulary-split embedding runs eager,
-    outside the compiled blocks, so the first block received such a tensor; AOTAutograd (torch 2.14)
-    then hands the gradient of that input back as a plain tensor where DTensor's redistribution expects
-    a DTensor, and the backward fails ("'Tensor' object has no attribute '_local_tensor'"). Waiting for
-    the collective before the block (a copy of the tensor, which is what waiting on one produces) keeps
-    autograd's chain and costs one copy of the embedding's output per step. Inside a compiled block the
-    collectives are traced and stay asynchronous.
+    outside the compiled blocks, so the first block received such a tensor, and AOTAutograd (torch 2.14)
+    handed the gradient of that input back in the wrong form: without FSDP the backward failed ("'Tensor'
+    object has no attribute '_local_tensor'"), under FSDP it went through with wrong gradients (losses
+    2e-5 to 2e-3 off one process's from step 2). Waiting for the collective before the block (a copy of
+    the tensor, which is what waiting on one produces) keeps autograd's chain and costs one copy of the
+    embedding's output per step. Inside a compiled block the collectives are traced and stay asynchronous.
+    Hand-written: torch offers no switch for a style's asynchronous output.
     """
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -73,10 +74,9 @@ def settle_collectives_before_compiled_blocks(model: nn.Module, blocks: list[nn.
             return output.clone()  # any non-view op waits and returns a plain tensor; autograd records it
         return None
 
-    hooked = [m for m in model.modules() if m is not model and id(m) not in inside]
-    for module in hooked:
-        module.register_forward_hook(settled)
-    return len(hooked)
+    for module in model.modules():
+        if module is not model and id(module) not in inside:
+            module.register_forward_hook(settled)
 
 
 def loss_context(enabled: bool) -> ContextManager:
