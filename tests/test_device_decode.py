@@ -55,7 +55,9 @@ def test_unreadable_files_are_skipped_and_counted_or_named(tmp_path):
     jpgs = [f for f in files if f.suffix == ".jpg"]
     (root / "class_00" / "img_0000.png").write_bytes(b"not an image")
     jpgs[0].write_bytes(jpgs[0].read_bytes()[:200])  # truncated: a partial download
-    jpgs[1].write_bytes(jpgs[1].read_bytes() + b"\xff\xd8 data a camera appended")  # readable, as PIL reads it
+    # readable, as PIL reads it: what a camera appends after the image (a motion photo's video, with
+    # marker-like bytes in it)
+    jpgs[1].write_bytes(jpgs[1].read_bytes() + b"\xff\xd8 a video \xff\xda appended \xff\xda")
     by = datasets(root, "train", on_corrupt="skip")
     device = by["device"]
     got = [device[i] for i in range(len(device))]

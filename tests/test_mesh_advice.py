@@ -189,3 +189,16 @@ def test_the_mesh_alternatives_of_an_offloading_fsdp_recipe_keep_its_offload(tmp
     for a in alternatives:
         where = {p.name: p.where for p in a.plan.parts}
         assert where["parameters"] == "host", (a.changes, where)
+
+
+def test_a_recipe_maps_to_the_grid_cell_of_its_option_values(tmp_path):
+    """Full checkpointing is the checkpointing-full cell, not also the selective one (both differ from a
+    recipe without checkpointing), and compile with full checkpointing is the compile+checkpointing cell:
+    each recipe finds its own cell's verdict instead of none."""
+    for cell in (Cell("ddp", "transformer", "fp32", "checkpointing-full"),
+                 Cell("ddp", "transformer", "fp32", "checkpointing-selective"),
+                 Cell("fsdp", "transformer", "fp32", "compile+checkpointing"), Cell("ddp", "mlp", "fp32", "compile"),
+                 Cell("ddp", "transformer", "fp32", "none")):
+        assert verified.axes_of(_recipe(tmp_path, cell)[1])["option"] == cell.option, cell
+    tp = Cell("fsdp", "transformer", "fp32", "compile+checkpointing", mesh="tp")
+    assert verified.verdict_for(_recipe(tmp_path, tp)[1], {"tp": 2}).status == verified.VERIFIED

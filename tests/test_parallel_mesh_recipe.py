@@ -236,3 +236,17 @@ def test_validating_a_mesh_imports_no_torch(tmp_path):
     res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
                          cwd=REPO)
     assert "EXIT 0 HEAVY []" in res.stdout, res.stdout + res.stderr
+
+
+def test_compile_with_tensor_parallel_inside_pipeline_stages_is_refused(tmp_path, capsys):
+    """The wait before the first compiled tensor-parallel block is FSDP's (strategies/fsdp.py); sharded
+    pipeline stages compile their blocks without it, so validate refuses that combination."""
+    path = write(tmp_path, "{pp: 2, dp_shard: 2, tp: 2}", strategy="{name: pipeline, microbatches: 2}",
+                 launch="{nproc_per_node: 8}")
+    path.write_text(path.read_text() + "performance: {compile: true}\n")
+    code, lines = validate(capsys, path)
+    assert code == 2 and any("performance.compile with tensor parallel inside pipeline stages" in line
+                             for line in lines), lines
+    path = write(tmp_path, "{pp: 2, dp_shard: 2, tp: 2}", strategy="{name: pipeline, microbatches: 2}",
+                 launch="{nproc_per_node: 8}")
+    assert validate(capsys, path) == (0, [])  # the same mesh without compile

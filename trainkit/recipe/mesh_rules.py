@@ -50,6 +50,12 @@ def _at(r: Any, world_size: int) -> Iterator[Finding]:
         why = facts_for(r.model.name).tensor_parallel_refusal(dims.tp, dict(r.model.args))
         if why:
             yield ("parallel", "tp"), f"model {r.model.name} cannot be split over tp {dims.tp} ranks: {why}"
+    if dims.tp > 1 and dims.pp > 1 and r.performance.compile_options is not None:
+        yield ("performance", "compile"), (
+            f"performance.compile with tensor parallel inside pipeline stages (parallel.pp {dims.pp} x tp {dims.tp}) "
+            "is not verified: FSDP waits for the tensor-parallel embedding's collective before its first compiled "
+            "block (without it the gradients are silently wrong), the pipeline's stages do not yet; set "
+            "performance.compile: false, or use strategy fsdp for tp")
 
 
 def fills_the_world(p: ParallelOptions, world_size: int, launch: Any) -> Optional[str]:

@@ -21,6 +21,7 @@ them between host and device (DALI does, but does not install here).
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -32,6 +33,7 @@ from ..recipe.blocks import IMAGE_EXTENSIONS, scan_imagefolder
 from .readable_samples import first_readable
 
 JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"  # start-of-scan and end-of-image markers
+STANDALONE_MARKERS = {0x01, *range(0xD0, 0xD9)}  # markers without a length field (TEM, RSTn, SOI)
 RESIZED_CROP_SCALE, RESIZED_CROP_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # torchvision's defaults
 
 
@@ -50,6 +52,8 @@ class EncodedBatch:
     """A batch of `EncodedImage`s. `.to(device)` decodes and transforms it there into the normalised
     float [N, 3, S, S] batch the host path would have produced, so a task moves it like any input."""
 
+    work_on_device = True  # the loop times its move as the step's compute, not as waiting for data
+
     def __init__(self, images: list[EncodedImage], image_size: int, mean, std):
         self.images, self.image_size, self.mean, self.std = images, image_size, mean, std
 
@@ -63,6 +67,12 @@ class EncodedBatch:
         from torchvision.transforms.v2 import functional as F
 
         device = torch.device(device)
+        if device.type == "cuda":
+            # torchvision 0.29's nvJPEG decode allocates its outputs on this stream but writes them from a
+            # stream of its own that does not wait for this one (pytorch/vision#9606): memory the step's
+            # queued kernels still read could be handed to it. Their completion is awaited first: one host
+            # wait per batch, the price of a correct batch (docs/performance.md).
+            torch.cuda.current_stream(device).synchronize()
         pixels = _decode(self.images, device)
         size = [self.image_size, self.image_size]
         out = []
@@ -75,17 +85,34 @@ class EncodedBatch:
                 img = F.center_crop(F.resize(img, [eval_resize(self.image_size)], antialias=True), size)
             out.append(img)
         batch = torch.stack(out).float().div_(255)
-        mean = torch.tensor(self.mean, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, device=device).view(1, 3, 1, 1)
+        mean, std = _normalisation(str(device), tuple(self.mean), tuple(self.std))
         return batch.sub_(mean).div_(std)
 
 
 def complete_jpeg(data: bytes) -> bool:
-    """Whether a JPEG's last scan is followed by its end-of-image marker: a partial download is not.
-    Inside a scan's data 0xFF is always stuffed (0xFF00) or a restart marker, so an end marker after the
-    last start-of-scan is the real one; bytes some cameras append after it are allowed, as PIL allows them."""
-    last_scan = data.rfind(JPEG_SCAN)
-    return last_scan != -1 and data.rfind(JPEG_END) > last_scan
+    """Whether a JPEG's image data is followed by an end-of-image marker: a partial download is not.
+    The first start-of-scan is found by walking the header's marker segments (an EXIF thumbnail inside
+    them has scans and an end marker of its own); inside scan data 0xFF is always stuffed (0xFF00) or a
+    restart marker, so an end marker after it is a real one. Whatever a camera appends after the image
+    (a motion photo's video) is allowed, as PIL allows it."""
+    i = 2  # after the start-of-image marker
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == JPEG_SCAN[1]:
+            return data.find(JPEG_END, i) != -1
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+        elif marker in STANDALONE_MARKERS:
+            i += 2
+        else:
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _normalisation(device: str, mean: tuple, std: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """mean and std as [1, 3, 1, 1] tensors on `device`, made once (not a host-to-device copy per batch)."""
+    return (torch.tensor(mean, device=device).view(1, 3, 1, 1), torch.tensor(std, device=device).view(1, 3, 1, 1))
 
 
 def eval_resize(image_size: int) -> int:

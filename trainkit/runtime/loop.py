@@ -181,13 +181,17 @@ class Loop:
             t0 = time.perf_counter()
             progress_record.phase(step, "data")  # what a hang report names (runtime.progress_record)
             batch = next(data)
+            # a batch decoded on the device (runtime.device_decode) is the step's work when it moves, which more
+            # loader workers would not speed up; any other batch's move is part of waiting for data
+            decodes_on_device = getattr(batch[0], "work_on_device", False)
+            if not decodes_on_device:
+                x, y = self._to_device(batch)
             data_wait += time.perf_counter() - t0
             if marks:
                 marks.clear()  # marks left by evaluate()'s forwards are not this step's
             c0 = clock.mark()
-            # the move is the step's work, not the loader's: with data.decode: device it decodes the batch
-            # there (runtime.device_decode), which more loader workers would not speed up
-            x, y = self._to_device(batch)
+            if decodes_on_device:
+                x, y = self._to_device(batch)
             progress_record.phase(step, "forward")  # "backward" when the forward returns (watch_backward)
             total += self.strategy.forward_backward(self.model, x, y, self.task.loss_fn, self.precision,
                                                     grad_accum_steps=accum, last_micro_step=micro == accum - 1)

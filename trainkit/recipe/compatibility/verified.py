@@ -13,6 +13,8 @@ features, not their numbers (tp 2 and tp 4 are the same cell).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +129,28 @@ def _resolved_dump(recipe: dict) -> Optional[dict]:
             return None
 
 
+def _holds_option(dump: dict, cell: Cell, fragment: dict) -> bool:
+    """The recipe's values of the option's settings are those of the option's own cell, resolved (an
+    activation_checkpointing mode, not only "some checkpointing"). A setting the cell resolves to a
+    structure (compile's options) counts as held where the recipe's is one too."""
+    option = _cell_dump(cell)
+    if option is None:
+        return False
+    for key in _leaves(fragment):
+        have, want = _at(dump, key), _at(option, key)
+        if isinstance(want, dict) and key.endswith("activation_checkpointing"):
+            if not isinstance(have, dict) or have.get("mode") != want.get("mode"):
+                return False
+        elif not isinstance(want, dict) and have != want:
+            return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _cell_dump(cell: Cell) -> Optional[dict]:
+    return _resolved_dump(cell.recipe())
+
+
 def _is_strategy(options: Any, fragment: dict) -> bool:
     """`options` is the strategy a grid fragment names -- by its options class, so that a plugin
     subclassing it (`my_fsdp` of FSDP) is that strategy's cell -- with the fragment's settings."""
@@ -158,8 +182,11 @@ def axes_of(recipe: Any) -> Optional[dict[str, str]]:
     base = _resolved_dump(Cell(axes["strategy"], model, axes["precision"], "none", axes["init"]).recipe())
     if base is None:
         return None
+    # an option is held where the recipe has each of its settings as the option's own cell resolves them
+    # (checkpointing "full" is not "selective", though both differ from the base)
     options = [name for name, fragment in OPTIONS.items() if fragment
-               and all(_at(dump, key) != _at(base, key) for key in _leaves(fragment))]
+               and all(_at(dump, key) != _at(base, key) for key in _leaves(fragment))
+               and _holds_option(dump, Cell(axes["strategy"], model, axes["precision"], name, axes["init"]), fragment)]
     # an option of several (compile+checkpointing) stands for the single ones it holds
     options = [name for name in options if not any(other != name and _holds(OPTIONS[other], OPTIONS[name])
                                                    for other in options)]
