@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .quantized import flat_for_dcp
+from .quantized import flat_for_dcp, value_wrapper_inner
 
 
 def state_for_dcp(model, optimizer) -> tuple[dict, dict]:
@@ -35,13 +35,13 @@ def unwrapped(state):
     local = state.to_local() if isinstance(state, DTensor) else state
     if type(local) is torch.Tensor or not is_traceable_wrapper_subclass(local):
         return state
-    inner = [getattr(local, name) for name in local.__tensor_flatten__()[0]]
-    if len(inner) != 1 or inner[0].dtype != local.dtype:
+    inner = value_wrapper_inner(local)
+    if inner is None:
         return state  # a quantized subclass (NF4): flat_for_dcp's
     if isinstance(state, DTensor):
-        return DTensor.from_local(inner[0], state.device_mesh, state.placements, run_check=False,
+        return DTensor.from_local(inner, state.device_mesh, state.placements, run_check=False,
                                   shape=state.shape, stride=state.stride())
-    return inner[0]
+    return inner
 
 
 def load_dcp(folder: Path, model, optimizer) -> None:

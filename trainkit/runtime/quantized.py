@@ -19,8 +19,14 @@ def frozen_quantized(t: torch.Tensor) -> bool:
 
     if isinstance(t, DTensor):
         return frozen_quantized(t.to_local())
+    return value_wrapper_inner(t) is None
+
+
+def value_wrapper_inner(t: torch.Tensor):
+    """The one inner tensor of a wrapper subclass that keeps its values in its own dtype (torchao's float8
+    training weight), or None (a quantized subclass's storage is several tensors or another dtype)."""
     inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
-    return not (len(inner) == 1 and inner[0].dtype == t.dtype)
+    return inner[0] if len(inner) == 1 and inner[0].dtype == t.dtype else None
 
 
 def stored_parts(t: torch.Tensor) -> dict[str, torch.Tensor]:
