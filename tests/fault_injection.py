@@ -11,7 +11,9 @@ faults never leak into another's run.
 
 - TRAINKIT_FAULT_INJECT="rank=1,step=7": that rank `os._exit(1)`s right after that optimizer step,
   on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so tests can check that torchrun
-  restarts and that resume loses nothing.
+  restarts and that resume loses nothing. ",saved=wait": first wait for this rank's checkpoint writes
+  still running in the background (`async_save`), so the last checkpoint is sealed before the crash
+  (without it, a crash may lose the save in flight, as it should, and the restart begins elsewhere).
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
 - TRAINKIT_FAULT_HANG="rank=1,step=4,where=backward,how=sleep": that rank stops making progress in that
   optimizer step, in its forward (where=forward) or its backward (where=backward, a gradient hook), by
@@ -179,9 +181,12 @@ def install(*, model, rank: int) -> list:
         fields = _fields(spec)
         if int(fields.get("rank", -1)) == rank:
             at = int(fields["step"])
+            writes = _track_background_writes() if fields.get("saved") == "wait" else []
 
             def exit_at(step: int) -> None:
                 if step == at:
+                    for write in writes:
+                        write.wait(120)
                     print(f"trainkit: TRAINKIT_FAULT_INJECT: rank {rank} exits at step {step}", file=sys.stderr,
                           flush=True)
                     os._exit(1)
@@ -200,6 +205,20 @@ def install(*, model, rank: int) -> list:
             + install_divergence(model=model, rank=rank) + install_desync(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
             + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank)
             + install_memory_step_probe())
+
+
+def _track_background_writes() -> list:
+    """The BackgroundWrite of every `async_save` this process starts, as they start."""
+    from trainkit.runtime import checkpoint_async
+
+    started, start = [], checkpoint_async.start
+
+    def tracked_start(*args, **kwargs):
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    checkpoint_async.start = tracked_start
+    return started
 
 
 def install_hang(*, model, rank: int) -> list:
