@@ -6,7 +6,10 @@ Makes an ImageFolder of JPEGs (`--size` px squares, 224 px training crops) and t
 round: one loader process producing samples the loader way (PIL decode + RandomResizedCrop + flip +
 normalise), one loader process producing them the device way (file bytes + header + the crop's draws),
 and the rank turning the device way's batch into the model's input on `--device` (decode_jpeg + crops
-on the device). Prints each part's rate per round and the median and spread, for docs/benchmarks.md.
+on the device). Then the handoff: the rank's own CPU time to receive the device way's batches from 2
+loader worker processes, each image's bytes in a tensor of its own against the batch's in one tensor
+(what `EncodedBatch` sends), alternated. Prints each part's rate per round and the median and spread,
+for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,6 +37,29 @@ def jpeg_folder(root: Path, images: int, size: int) -> Path:
         pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
         Image.fromarray(pixels).save(folder / f"img_{i:04d}.jpg", quality=90)
     return root
+
+
+def per_image(collate):
+    """The batch as a list of per-image tensors (the handoff before `EncodedBatch` packed them)."""
+    def collate_each(samples):
+        return [image for image, _, _ in samples], collate(samples)[1]
+    return collate_each
+
+
+def rank_cpu_per_batch(dataset, collate, batch_size: int, batches: int) -> float:
+    """The rank's CPU seconds per batch spent receiving batches from 2 loader workers (its waits for
+    them are not CPU time): unpickling, mapping and unmapping the shared memory they arrive in."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    sampler = RandomSampler(dataset, replacement=True, num_samples=batch_size * (batches + 1))
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=2, collate_fn=collate,
+                        prefetch_factor=2)
+    it = iter(loader)
+    next(it)  # workers started
+    start = time.process_time()
+    for _ in range(batches):
+        next(it)
+    return (time.process_time() - start) / batches
 
 
 def main() -> None:
@@ -69,9 +95,19 @@ def main() -> None:
             for key, seconds in zip(rates, (t1 - t0, t2 - t1, t3 - t2)):
                 rates[key].append(n / seconds)
                 print(f"{key}: {n / seconds:.0f} images/s", flush=True)
+        handoff: dict[str, list[float]] = {"rank CPU per batch, a tensor per image": [],
+                                           "rank CPU per batch, one tensor (EncodedBatch)": []}
+        dataset = made["device"]
+        for _ in range(args.pairs):
+            for key, collate in zip(handoff, (per_image(dataset.collate), dataset.collate)):
+                handoff[key].append(rank_cpu_per_batch(dataset, collate, n, batches=8))
+                print(f"{key}: {handoff[key][-1] * 1000:.2f} ms", flush=True)
     print(f"\n{n} JPEGs of {args.size} px, 224 px crops, torch {torch.__version__}, {args.pairs} rounds:")
     for key, values in rates.items():
         print(f"  {key}: median {statistics.median(values):.0f} images/s (range {min(values):.0f}-{max(values):.0f})")
+    for key, values in handoff.items():
+        print(f"  {key} of {n}: median {statistics.median(values) * 1000:.2f} ms "
+              f"(range {min(values) * 1000:.2f}-{max(values) * 1000:.2f})")
 
 
 if __name__ == "__main__":

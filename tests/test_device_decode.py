@@ -49,6 +49,24 @@ def test_the_device_path_gives_the_loaders_batch(images, split):
         assert {s[0].encoded for s in samples} == {True, False}  # JPEG bytes and decoded PNGs both
 
 
+@pytest.mark.slow  # a DataLoader worker process
+def test_a_batch_leaves_its_loader_worker_in_one_shared_memory_block(images):
+    """Guards `EncodedBatch`'s packing: a batch crosses from a DataLoader worker to the rank as one shared
+    tensor, not one per image (each costs the rank ~0.1 ms of CPU: bench/image_decode.py); every image is
+    a view into it, and a PNG brings only its training crop's pixels, not the whole picture."""
+    from torch.utils.data import DataLoader
+
+    dataset = datasets(images, "train")["device"]
+    batch, labels, _ = next(iter(DataLoader(dataset, batch_size=16, num_workers=1, collate_fn=dataset.collate)))
+    tensors = [value for value in vars(batch).values() if isinstance(value, torch.Tensor)]
+    assert len(tensors) == 1 and tensors[0].is_shared() and len(batch) == len(labels) == 16
+    block = tensors[0].untyped_storage().data_ptr()
+    assert {image.data.untyped_storage().data_ptr() for image in batch.images} == {block}
+    pngs = [image for image in batch.images if not image.encoded]
+    assert pngs and all(tuple(p.data.shape[1:]) == p.crop[2:] and p.crop[:2] == (0, 0) for p in pngs)
+    assert any(p.data.shape[1] * p.data.shape[2] < 64 * 64 for p in pngs)  # cut in the worker
+
+
 def test_unreadable_files_are_skipped_and_counted_or_named(tmp_path):
     root = make_imagefolder(tmp_path / "imgs", classes=1, per_class=6, size=32, seed=1)
     files = sorted((root / "class_00").iterdir())
