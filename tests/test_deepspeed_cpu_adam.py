@@ -3,7 +3,8 @@
 One 2-rank launch of the cell runner trains ZeRO-2 with optimizer offload five ways -- adamw and
 adam (weight decay on) in DeepSpeed's CPU Adam, each in torch's optimizer as before
 (`strategy.config: {zero_force_ds_cpu_optimizer: false}`), and sgd (torch's, with the reason
-printed) -- each trained, resumed from its step-4 checkpoint and exported. The first run on a machine JIT-builds CPU Adam (~60 s on 2 cores): the
+printed) -- each trained, resumed from its step-4 checkpoint and exported. The sgd run accumulates 2 micro-steps
+and follows the one-process trajectory (ZeRO-2 with optimizer offload and accumulation). The first run on a machine JIT-builds CPU Adam (~60 s on 2 cores): the
 launch shares `strategy_runs.deepspeed_env`'s extension folder, so CI builds it once.
 
 Tolerance (TOLERANCE, relative, every step's loss): CPU Adam computes torch's update in fp32 with
@@ -41,7 +42,10 @@ def cells(request, tmp_path_factory) -> dict[str, dict]:
         recipe = merged(OFFLOAD, {"optimizer": {**OFFLOAD["optimizer"], "name": name}})
         recipes[f"cpu-{name}"] = recipe
         recipes[f"torch-{name}"] = merged(recipe, {"strategy": TORCH_OPTIMIZER})
-    recipes["sgd"] = merged(OFFLOAD, {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}})
+    # sgd, with 2 accumulation micro-steps of 4 per rank (DeepSpeed's gradient_accumulation_steps): the seeded
+    # MLP's global batch of 16, so it also follows the one-process run of strategy_runs (`single`)
+    recipes["sgd"] = merged(OFFLOAD, {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                                      "data": {"batch_size": 4}, "trainer": {"grad_accum_steps": 2}})
     env = deepspeed_env(request, tmp_path_factory)
     results = train_cells(tmp_path_factory.mktemp("cpu-adam"), recipes, timeout=420, **env)
     return {name: {**result, "extensions": env["TORCH_EXTENSIONS_DIR"]} for name, result in results.items()}
@@ -97,3 +101,11 @@ def test_preflight_refuses_offload_when_cpu_adam_cannot_be_compiled(tmp_path, mo
     found = [p for p in problems if "offload_optimizer" in str(p.path)]
     assert found and found[0].severity == "error", problems
     assert "CPU Adam" in found[0].message and "g++" in found[0].message
+
+
+def test_zero2_with_optimizer_offload_and_accumulation_follows_the_one_process_trajectory(cells, single):
+    """ZeRO-2, optimizer state offloaded to the CPU (torch's sgd: no CPU Adam), 2 accumulation micro-steps
+    of 4 per rank (DeepSpeed's gradient_accumulation_steps): the one process's losses at batch 16."""
+    from strategy_runs import RTOL
+
+    assert steps(cells["sgd"]["losses"]) == pytest.approx(single[:STEPS], rel=RTOL)

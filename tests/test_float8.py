@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lm_runs import tiny_lm
-from run_helpers import losses, trainkit, write_recipe
+from run_helpers import write_recipe
 from trainkit.recipe.problems import RecipeError
 from trainkit.recipe.resolver import resolve
 from trainkit.runtime.performance import convert_to_float8, float8_linears
@@ -61,49 +61,49 @@ def test_validate_names_what_float8_cannot_combine_with(tmp_path):
 
 @pytest.mark.distributed
 def test_ddp_and_fsdp_float8_follow_the_bf16_run_and_resume(tmp_path, corpus):
-    """Three 2-rank runs of 6 steps (checkpoint at 3): bf16 under FSDP, bf16 + float8 under DDP and under
-    FSDP. float8 rounds each matmul's inputs to 3 mantissa bits with a per-tensor scale, so the losses
-    follow bf16's closely, not exactly (measured: 0.5e-4 to 9e-4 relative; bound 1e-2); the FSDP run
-    then resumes from step 3 (a fourth launch) and redoes steps 4-6 as they ran. Under FSDP the float8
-    linears' weights are all-gathered in float8: the bytes each rank sends into FSDP's all-gathers per
-    step, counted in both FSDP runs, fall to about two thirds (the 14 float8 weights at 1 byte instead
-    of 2; the embedding, the head and the norms stay bf16)."""
+    """Three 2-rank runs of 6 steps (checkpoint at 3) in one launch (tests/cell_launch.py): bf16 under FSDP,
+    bf16 + float8 under DDP and under FSDP. float8 rounds each matmul's inputs to 3 mantissa bits with a
+    per-tensor scale, so the losses follow bf16's closely, not exactly (measured: 0.5e-4 to 9e-4 relative;
+    bound 1e-2); each run then resumes from step 3 in a model built afresh and redoes steps 4-6 as they
+    ran. Under FSDP the float8 linears' weights are all-gathered in float8: the bytes each rank sends
+    into FSDP's all-gathers per step, counted in both FSDP runs, fall to about two thirds (the 14 float8
+    weights at 1 byte instead of 2; the embedding, the head and the norms stay bf16)."""
     import json
+
+    from cell_launch import train_cells
 
     preset = {**tiny_lm(corpus), "model": FLOAT8_LM, "precision": "bf16",
               "optimizer": {"name": "adamw", "lr": 3e-3},
               "trainer": {"max_steps": 6, "log_every": 1, "checkpoint": {"every": 3, "keep": 3}}}
-    reference, gathered = None, {}
-    for name, strategy, perf in (("bf16", "fsdp", {}), ("f8-ddp", "ddp", {"float8": True}),
-                                 ("f8-fsdp", "fsdp", {"float8": True})):
-        path = write_recipe(tmp_path, name, preset, strategy={"name": strategy}, performance=perf)
-        counts = tmp_path / f"collectives-{name}"
-        counts.mkdir()
-        result = trainkit(tmp_path, "run", str(path), TRAINKIT_FAULT_COUNT_COLLECTIVES=str(counts))
-        if strategy == "fsdp":
-            rows = [json.loads(line) for line in (counts / "collectives-rank0.jsonl").read_text().splitlines()]
-            gathered[name] = rows[1]["all_gather_bytes"]  # step 2: a whole step, forward and backward
-        assert result.returncode == 0, result.output[-4000:]
-        got = losses(tmp_path / "runs" / name)
-        if reference is None:
-            reference = got
-            continue
-        assert "float8: 14 of 15 Linear layers compute in float8" in result.output, result.output[-3000:]
+    runs = {"bf16": ("fsdp", {}), "f8-ddp": ("ddp", {"float8": True}), "f8-fsdp": ("fsdp", {"float8": True})}
+    recipes = {name: {**preset, "strategy": {"name": strategy}, "performance": perf}
+               for name, (strategy, perf) in runs.items()}
+    counts = tmp_path / "collectives"
+    counts.mkdir()
+    results = train_cells(tmp_path, recipes, timeout=300, TRAINKIT_FAULT_COUNT_COLLECTIVES=str(counts))
+    log = results["bf16"]["log"]
+    assert log.count("float8: 14 of 15 Linear layers compute in float8") == 4, log[-3000:]  # 2 runs, each resumed
+    trained = {name: [r["losses"][str(step)] for step in range(1, 7)] for name, r in results.items()}
+    reference = trained["bf16"]
+    for name in ("f8-ddp", "f8-fsdp"):
+        got = trained[name]
         assert got != reference  # the matmuls did run in float8
         for step, (a, b) in enumerate(zip(got, reference), 1):
             assert abs(a - b) <= 1e-2 * abs(b), (name, step, got, reference)
         assert got[-1] < got[0]
-        if strategy == "ddp":
-            continue  # the resume check: once, on the sharded run
-        step3 = tmp_path / "runs" / name / "checkpoints" / "step-00000003"
-        resumed = trainkit(tmp_path, "run", str(path), f"name={name}-resumed", f"trainer.resume={step3}")
-        assert resumed.returncode == 0, resumed.output[-4000:]
-        again = losses(tmp_path / "runs" / f"{name}-resumed")
-        assert again[-3:] == pytest.approx(got[-3:], rel=1e-6), (again, got)
-    assert 0.55 < gathered["f8-fsdp"] / gathered["bf16"] < 0.8, gathered  # 1.0 when gathered in bf16
+    for name, result in results.items():
+        assert result["resumed_from"] == "step-00000003", result
+        again = [result["resumed_losses"][str(step)] for step in range(4, 7)]
+        assert again == pytest.approx(trained[name][3:], rel=1e-6), (name, again, trained[name])
+    # rank 0's rows, appended run after run; an FSDP run's step 2 (a whole step, forward and backward) comes
+    # once, in its training (each resume starts at step 4): bf16, then float8 (DDP's rows count no all-gather)
+    rows = [json.loads(line) for line in (counts / "collectives-rank0.jsonl").read_text().splitlines()]
+    second = [row["all_gather_bytes"] for row in rows if row["step"] == 2 and "all_gather_bytes" in row]
+    assert len(second) == 2, rows
+    assert 0.55 < second[1] / second[0] < 0.8, second  # 1.0 when gathered in bf16
     # the float8 weights' checkpoint is plain tensors: `trainkit export` writes what torch.load reads safely
     from trainkit.models.transformer import transformer
     from trainkit.runtime.export import export
 
-    export(tmp_path / "runs" / "f8-fsdp" / "checkpoints" / "step-00000006", tmp_path / "f8.pt")
+    export(results["f8-fsdp"]["run_dir"] / "checkpoints" / "step-00000006", tmp_path / "f8.pt")
     transformer(**FLOAT8_LM["args"]).load_state_dict(torch.load(tmp_path / "f8.pt", weights_only=True))

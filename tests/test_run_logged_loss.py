@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from run_helpers import losses, mlp_recipe, trainkit
+from run_helpers import MLP, losses, merged
 
 pytestmark = pytest.mark.distributed
 
@@ -21,13 +21,12 @@ def test_logged_loss_is_the_interval_mean_and_loss_max_its_largest_step(tmp_path
     run of the same seed records one by one (CPU gloo runs are deterministic, so the step losses
     are the same floats). 1e-6 relative: the mean is taken in float64 of the same fp32 values,
     only the order of additions can differ; logging only the log step's loss misses it by ~1e-2."""
+    from cell_launch import train_cells
+
     trainer = {"max_steps": 12, "checkpoint": {"every": 100}}
-    every = {}
-    for n in (1, 4):
-        path = mlp_recipe(tmp_path, f"log{n}", trainer={**trainer, "log_every": n})
-        result = trainkit(tmp_path, "run", str(path))
-        assert result.returncode == 0, result.output[-4000:]
-        every[n] = rows(tmp_path / "runs" / f"log{n}")
+    runs = train_cells(tmp_path, {f"log{n}": merged(MLP, {"trainer": {**trainer, "log_every": n}}) for n in (1, 4)},
+                       timeout=240, resume=False)  # both in one launch
+    every = {n: rows(runs[f"log{n}"]["run_dir"]) for n in (1, 4)}
     per_step = [r["loss"] for r in every[1]]
     assert [r["step"] for r in every[4]] == [4, 8, 12]
     for row in every[4]:
@@ -35,4 +34,4 @@ def test_logged_loss_is_the_interval_mean_and_loss_max_its_largest_step(tmp_path
         assert row["loss"] == pytest.approx(sum(window) / 4, rel=1e-6)
         assert row["loss_max"] == pytest.approx(max(window), rel=1e-6)
     assert all(r["loss_max"] == r["loss"] for r in every[1])  # one step: mean == max == the step's loss
-    assert losses(tmp_path / "runs" / "log1")[-1] < per_step[0]
+    assert losses(runs["log1"]["run_dir"])[-1] < per_step[0]

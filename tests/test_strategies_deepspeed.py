@@ -59,15 +59,6 @@ def test_deprecation_warnings_are_printed_once_per_rank(zero3_run):
         assert len(lines) == len(set(lines)), (log, lines)
 
 
-def test_zero2_with_optimizer_offload_and_accumulation_follows_the_one_process_trajectory(single, tmp_path, ext):
-    """ZeRO-2, optimizer state offloaded to the CPU (the torch optimizer, no compiled CPU Adam),
-    2 accumulation micro-steps of 4 per rank (DeepSpeed's gradient_accumulation_steps)."""
-    path = write_recipe(tmp_path, "zero2", SEEDED_MLP,
-                        strategy={"name": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu"},
-                        data={"batch_size": 4}, trainer={"grad_accum_steps": 2})
-    assert losses(run(tmp_path, path, **ext)) == pytest.approx(single, rel=RTOL)
-
-
 def test_zero3_resume_repeats_the_uninterrupted_run_exactly(zero3_run, ext):
     tmp, path, run_dir = zero3_run
     uninterrupted = losses(run_dir)[:STEPS]

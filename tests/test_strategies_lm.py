@@ -1,6 +1,8 @@
-"""Every strategy on the built-in transformer (task causal_lm, 2 gloo processes): FSDP2 sharding
-each TransformerBlock (with activation checkpointing per block), the pipeline split at `layers.1`,
-and DeepSpeed ZeRO-3 follow the one-process trajectory of the same global batch of 8 sequences.
+"""The built-in transformer (task causal_lm, 2 gloo processes) under FSDP2 sharding each TransformerBlock
+with activation checkpointing per block, and under FSDP x TP compiled: both follow the one-process
+trajectory of the same global batch of 8 sequences. The pipeline split at `layers.1` and ZeRO-3 on it
+are grid cells (pipeline-traced__transformer__fp32__none__seeded, zero3__transformer__fp32__none__seeded:
+losses at fp32's 1e-5, resume, export), not launches here.
 
 Tolerance: see lm_runs (strategy_runs.RTOL, fp32 summation order only).
 """
@@ -11,16 +13,10 @@ import pytest
 
 from lm_runs import tiny_lm
 from run_helpers import losses, summary, write_recipe
-from strategy_runs import RTOL, deepspeed_env, run
+from strategy_runs import RTOL, run
 
 pytestmark = pytest.mark.distributed
 
-
-
-@pytest.fixture(scope="module")
-def ext(request, tmp_path_factory) -> dict:
-    """DeepSpeed's CPU ops, built once per session and shared with every DeepSpeed test."""
-    return deepspeed_env(request, tmp_path_factory)
 
 
 def test_fsdp_sharding_each_block_with_activation_checkpointing_matches(tmp_path, corpus, one_rank):
@@ -51,18 +47,4 @@ def test_fsdp_x_tp_with_each_block_split_checkpointed_then_compiled_matches(tmp_
     last = max(r["step"] for r in rows)
     assert all(r["dynamo"]["stats"].get("unique_graphs", 0) >= 1 for r in rows if r["step"] == last), rows[-1]
     assert losses(run_dir) == pytest.approx(one_rank, rel=1e-4)
-    assert summary(run_dir)["replicas_identical"]
-
-
-def test_pipeline_split_at_a_layer_matches(tmp_path, corpus, one_rank):
-    path = write_recipe(tmp_path, "pipe", tiny_lm(corpus), data={"batch_size": 8},
-                        strategy={"name": "pipeline", "schedule": "1f1b", "microbatches": 2,
-                                  "split_points": ["layers.1"]})
-    assert losses(run(tmp_path, path)) == pytest.approx(one_rank, rel=RTOL)
-
-
-def test_zero3_matches(tmp_path, corpus, one_rank, ext):
-    path = write_recipe(tmp_path, "zero3", tiny_lm(corpus), strategy={"name": "deepspeed", "zero_stage": 3})
-    run_dir = run(tmp_path, path, **ext)
-    assert losses(run_dir) == pytest.approx(one_rank, rel=RTOL)
     assert summary(run_dir)["replicas_identical"]

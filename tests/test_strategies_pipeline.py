@@ -1,4 +1,5 @@
-"""Pipeline parallel (torch.distributed.pipelining) through `trainkit run` on 2 gloo processes.
+"""Pipeline parallel (torch.distributed.pipelining) on 2 gloo processes: through `trainkit run`, and, for
+the runs checked only by what they leave, in one launch of several runs (the `trained` fixture).
 
 Every rank reads the same batch of 16 (data-parallel size 1), so the one-process reference is
 batch 16. Tolerance: see strategy_runs (RTOL 1e-5): the pipeline sums per-micro-batch means / 4
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from run_helpers import RESNET, losses, summary, trainkit, write_recipe
+from run_helpers import RESNET, losses, merged, summary, trainkit, write_recipe
 from strategy_runs import RTOL, SEEDED_MLP, STEPS, resume_from_step_10, run
 
 pytestmark = pytest.mark.distributed
@@ -30,6 +31,39 @@ def gpipe_run(tmp_path_factory):
     return tmp, path, run(tmp, path)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """The pipelines checked below only for what their runs leave (losses, evaluation rows, stage files)
+    and their one-process references: one 2-rank and one 1-process launch (tests/cell_launch.py), not
+    one each. name -> run directory."""
+    from cell_launch import train_cells
+
+    tmp = tmp_path_factory.mktemp("pipelines")
+    evals = {"max_steps": 4, "eval_every": 2, "eval_steps": 2, "checkpoint": {"every": 100}}
+    pipelines = {
+        "pipe-resnet": merged(RESNET, {"strategy": {"name": "pipeline", "schedule": "gpipe", "microbatches": 4,
+                                                    "split_points": ["layer3"]}}),
+        "pipe-eval": merged(SEEDED_MLP, {"strategy": {"name": "pipeline", "microbatches": 4, "split_points": ["4"]},
+                                         "data": {"batch_size": 16}, "trainer": evals}),
+        "interleaved": merged(SEEDED_MLP, {"strategy": {"name": "pipeline", "schedule": "interleaved_1f1b",
+                                                        "microbatches": 4},
+                                           "data": {"batch_size": 8}, "trainer": {"grad_accum_steps": 2}}),
+    }
+    one_process = {
+        "ref-resnet": merged(RESNET, {"strategy": {"name": "ddp"}, "data": {"batch_size": 2},
+                                      "trainer": {"grad_accum_steps": 4}, "launch": {"nproc_per_node": 1}}),
+        "one-eval": merged(SEEDED_MLP, {"strategy": {"name": "ddp"}, "data": {"batch_size": 16},
+                                        "launch": {"nproc_per_node": 1}, "trainer": evals}),
+        # the reference of the 4-process pipeline x data-parallel run's evaluation
+        "one-20": merged(SEEDED_MLP, {"strategy": {"name": "ddp"}, "data": {"batch_size": 16},
+                                      "launch": {"nproc_per_node": 1},
+                                      "trainer": {"eval_every": 10, "eval_steps": 2}}),
+    }
+    runs = {**train_cells(tmp / "2", pipelines, timeout=300, resume=False),
+            **train_cells(tmp / "1", one_process, timeout=300, resume=False, nproc=1)}
+    return {name: result["run_dir"] for name, result in runs.items()}
+
+
 def test_gpipe_with_named_split_follows_the_one_process_trajectory(single, gpipe_run):
     _, _, run_dir = gpipe_run
     assert losses(run_dir) == pytest.approx(single, rel=RTOL)
@@ -37,14 +71,11 @@ def test_gpipe_with_named_split_follows_the_one_process_trajectory(single, gpipe
     assert sorted(p.name for p in ckpt.glob("pipeline-stage-*")) == ["pipeline-stage-000.pt", "pipeline-stage-001.pt"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_1f1b_and_interleaved_with_balanced_stages_follow_the_one_process_trajectory(single, tmp_path, schedule):
-    """No split points: stages balanced by parameter count (2 stages, or 4 -- two per rank --
-    for interleaved 1F1B); gradient accumulation of 2 micro-steps of 8 over 4 micro-batches each."""
-    path = write_recipe(tmp_path, schedule, SEEDED_MLP,
-                        strategy={"name": "pipeline", "schedule": schedule, "microbatches": 4},
-                        data={"batch_size": 8}, trainer={"grad_accum_steps": 2})
-    assert losses(run(tmp_path, path)) == pytest.approx(single, rel=RTOL)
+def test_interleaved_1f1b_with_balanced_stages_follows_the_one_process_trajectory(single, trained):
+    """No split points: stages balanced by parameter count, 4 of them, two per rank; gradient
+    accumulation of 2 micro-steps of 8 over 4 micro-batches each. Plain 1F1B with balanced stages and
+    accumulation is a grid cell (pipeline__mlp__fp32__grad_accum__seeded), not a launch here."""
+    assert losses(trained["interleaved"]) == pytest.approx(single, rel=RTOL)
 
 
 def test_pipeline_resume_repeats_the_uninterrupted_run_exactly(gpipe_run):
@@ -91,20 +122,15 @@ def test_pipeline_recipe_runs_end_to_end(tmp_path):
 
 
 # --------------------------------------------------------------------------- any model: the tracer
-def test_resnet18_pipeline_split_at_layer3_matches_one_process_accumulating_the_micro_batches(tmp_path):
+def test_resnet18_pipeline_split_at_layer3_matches_one_process_accumulating_the_micro_batches(trained):
     """torchvision's ResNet-18 is not a Sequential (its forward flattens between avgpool and fc):
     the tracer cuts it before layer3. Reference: one process with batch 2 accumulating 4
     micro-steps -- the same 8 samples per step in the same micro-batches of 2, so BatchNorm sees
     the same micro-batches as in the pipeline. Tolerance RTOL (1e-5): the same operations on the
     same micro-batches, summed in another order. The checkpoint keeps the plain model's parameter
     names."""
-    split = {"name": "pipeline", "schedule": "gpipe", "microbatches": 4, "split_points": ["layer3"]}
-    path = write_recipe(tmp_path, "pipe", RESNET, strategy=split)
-    pipe = run(tmp_path, path)
-    ref = write_recipe(tmp_path, "ref", RESNET, strategy={"name": "ddp"}, data={"batch_size": 2},
-                       trainer={"grad_accum_steps": 4}, launch={"nproc_per_node": 1})
-    ref_dir = run(tmp_path, ref)
-    assert losses(pipe) == pytest.approx(losses(ref_dir), rel=RTOL)
+    pipe = trained["pipe-resnet"]
+    assert losses(pipe) == pytest.approx(losses(trained["ref-resnet"]), rel=RTOL)
     ckpt = pipe / "checkpoints" / "step-00000004"
     stage1 = torch.load(ckpt / "pipeline-stage-001.pt", weights_only=False)["model"]
     assert "layer3.0.conv1.weight" in stage1 and "fc.weight" in stage1
@@ -132,38 +158,32 @@ def test_resnet18_pipeline_recipe_trains_end_to_end(tmp_path):
 
 
 def test_resnet18_pipeline_bad_split_points_are_refused_with_a_suggestion(tmp_path):
-    path = write_recipe(tmp_path, "bad", RESNET,
-                        strategy={"name": "pipeline", "microbatches": 4, "split_points": ["layer33"]})
-    result = trainkit(tmp_path, "validate", "--deep", str(path))
-    assert result.returncode == 2 and "did you mean" in result.output.lower() and "layer3" in result.output, \
-        result.output
-    path = write_recipe(tmp_path, "order", RESNET,
-                        strategy={"name": "pipeline", "microbatches": 4, "split_points": ["layer3", "layer1"]},
-                        launch={"nproc_per_node": 3})
-    result = trainkit(tmp_path, "validate", "--deep", str(path))
-    assert result.returncode == 2 and "forward order" in result.output, result.output
-    path = write_recipe(tmp_path, "evals", RESNET,
-                        strategy={"name": "pipeline", "microbatches": 4, "split_points": ["layer3"]},
-                        trainer={"eval_every": 2})
-    result = trainkit(tmp_path, "validate", "--deep", str(path))
-    assert result.returncode == 2 and "BatchNorm2d" in result.output, result.output
+    """Three recipes in one `validate --deep` (as CI validates a folder of recipes): each refusal is
+    printed against its own file."""
+    pipeline = {"name": "pipeline", "microbatches": 4}
+    bad = write_recipe(tmp_path, "bad", RESNET, strategy={**pipeline, "split_points": ["layer33"]})
+    order = write_recipe(tmp_path, "order", RESNET, strategy={**pipeline, "split_points": ["layer3", "layer1"]},
+                         launch={"nproc_per_node": 3})
+    evals = write_recipe(tmp_path, "evals", RESNET, strategy={**pipeline, "split_points": ["layer3"]},
+                         trainer={"eval_every": 2})
+    result = trainkit(tmp_path, "validate", "--deep", str(bad), str(order), str(evals))
+    assert result.returncode == 2, result.output
+    said = {path.name: [line for line in result.output.splitlines() if path.name in line] for path in (bad, order, evals)}
+    assert any("did you mean" in line.lower() and "layer3" in line for line in said[bad.name]), result.output
+    assert any("forward order" in line for line in said[order.name]), result.output
+    assert any("BatchNorm2d" in line for line in said[evals.name]), result.output
 
 
-def test_pipeline_evaluation_matches_the_one_process_evaluation(tmp_path):
+def test_pipeline_evaluation_matches_the_one_process_evaluation(trained):
     """A Sequential MLP pipeline evaluates through the schedule's forward-only pass; its eval loss
     and accuracy equal one process's (the same held-out samples, RTOL: summation order only)."""
-    evals = {"max_steps": 4, "eval_every": 2, "eval_steps": 2, "checkpoint": {"every": 100}}
-    pipe = run(tmp_path, write_recipe(tmp_path, "pipe-eval", SEEDED_MLP,
-                                      strategy={"name": "pipeline", "microbatches": 4, "split_points": ["4"]},
-                                      data={"batch_size": 16}, trainer=evals))
-    one = run(tmp_path, write_recipe(tmp_path, "one-eval", SEEDED_MLP, strategy={"name": "ddp"},
-                                     data={"batch_size": 16}, launch={"nproc_per_node": 1}, trainer=evals))
+    pipe, one = trained["pipe-eval"], trained["one-eval"]
     ours, ref = eval_rows(pipe), eval_rows(one)
     assert len(ours) == 2 and [r["eval_accuracy"] for r in ours] == [r["eval_accuracy"] for r in ref]
     assert [r["eval_loss"] for r in ours] == pytest.approx([r["eval_loss"] for r in ref], rel=RTOL)
 
 
-def test_pipeline_times_data_parallel_on_4_processes_follows_the_one_process_trajectory(single, tmp_path):
+def test_pipeline_times_data_parallel_on_4_processes_follows_the_one_process_trajectory(single, tmp_path, trained):
     """2-D: 2 pipelines of 2 stages (4 processes), batch 8 per pipeline, so the global batch is the
     one-process 16. The replicas are given by the `parallel:` block alone (pp 2 x dp_replicate 2;
     `strategy.data_parallel` is its alias and left out: the runtime reads the mesh's degree; the grid's
@@ -182,8 +202,6 @@ def test_pipeline_times_data_parallel_on_4_processes_follows_the_one_process_tra
     assert result["replicas_identical"] is True and len(set(result["replica_digests"])) == 2  # 2 stages x 2 copies
     ckpt = run_dir / "checkpoints" / "step-00000020"
     assert sorted(p.name for p in ckpt.glob("pipeline-stage-*")) == ["pipeline-stage-000.pt", "pipeline-stage-001.pt"]
-    one = run(tmp_path, write_recipe(tmp_path, "one", SEEDED_MLP, strategy={"name": "ddp"}, data={"batch_size": 16},
-                                     launch={"nproc_per_node": 1}, trainer=evals))
-    ours, ref = eval_rows(run_dir), eval_rows(one)
+    ours, ref = eval_rows(run_dir), eval_rows(trained["one-20"])
     assert len(ours) == 2 and [r["eval_accuracy"] for r in ours] == [r["eval_accuracy"] for r in ref]
     assert [r["eval_loss"] for r in ours] == pytest.approx([r["eval_loss"] for r in ref], rel=RTOL)
