@@ -50,4 +50,4 @@ timeout ${SPEED_TIMEOUT_S:-330} "$PY" bench/gpu_speed.py --out "$OUT" --steps 25
   2>&1 | tee "$OUT/gpu_speed.log"
 # 2. the GPU tests one device can run (the grid is its own stage)
 timeout ${TESTS_TIMEOUT_S:-170} "$PY" -m pytest -m gpu -q -rA -s -p no:randomly -p no:cacheprovider --durations=0 \
-  tests/test_memory_oom_gpu.py tests/test_gpu.py -k "not compatibility_grid" 2>&1 | tee "$OUT/tests.log"
+  tests/test_memory_oom_gpu.py tests/test_tensor_parallel_random.py tests/test_gpu.py -k "not compatibility_grid" 2>&1 | tee "$OUT/tests.log"

@@ -62,6 +62,11 @@ faults never leak into another's run.
   DS_ACCELERATOR set) DeepSpeed are imported, before the process group, model or data exist;
   "after_step_2": VmHWM after the second optimizer step (build, setup and two steps: the optimizer's
   state is filled in); "peak": VmHWM as it exits, the resident high-water mark over its whole life}, in bytes.
+- TRAINKIT_FAULT_PROBE_GPU_MEMORY=DIR: after every optimizer step each rank rewrites DIR/gpu-rank<R>.json:
+  {"step", "reserved": torch's caching allocator's reserved bytes, "device_used": its GPU's used bytes
+  (cudaMemGetInfo: total - free), "process_used": what nvidia-smi lists for this process's pid, or null
+  where it does not list it (a container's pid namespace)}, in bytes; what the process holds outside
+  torch's allocator (the CUDA context, NCCL's buffers) is used - reserved.
 """
 
 from __future__ import annotations
@@ -204,7 +209,7 @@ def install(*, model, rank: int) -> list:
     return (hooks + install_hang(model=model, rank=rank) + install_nan(model=model, rank=rank) + install_collective_count(model=model, rank=rank)
             + install_divergence(model=model, rank=rank) + install_desync(model=model, rank=rank) + install_fsdp_probe(model=model, rank=rank)
             + install_sample_recorder(model=model, rank=rank) + install_perf_probe(model=model, rank=rank)
-            + install_memory_step_probe())
+            + install_memory_step_probe() + install_gpu_memory_probe(rank=rank))
 
 
 def _track_background_writes() -> list:
@@ -402,6 +407,35 @@ def _proc_status_bytes(field: str) -> int:
 
 
 MEMORY: dict = {}  # TRAINKIT_FAULT_PROBE_MEMORY's figures in this process
+
+
+def install_gpu_memory_probe(*, rank: int) -> list:
+    """TRAINKIT_FAULT_PROBE_GPU_MEMORY (see the module's docstring)."""
+    folder = os.environ.get("TRAINKIT_FAULT_PROBE_GPU_MEMORY")
+    if not folder:
+        return []
+    import json
+    import subprocess
+
+    import torch
+
+    def process_used() -> "int | None":
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        for line in out.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip() == str(os.getpid()):
+                return int(mib) * 2**20
+        return None
+
+    def record(step: int) -> None:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        Path(folder, f"gpu-rank{rank}.json").write_text(json.dumps({
+            "step": step, "reserved": torch.cuda.memory_reserved(), "device_used": total - free,
+            "process_used": process_used()}))
+
+    return [record]
 
 
 def install_memory_step_probe() -> list:

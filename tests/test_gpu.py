@@ -312,6 +312,41 @@ def test_a_hang_under_nccl_has_the_flight_recorder_section_and_nccls_own_dumps(t
     assert native.returncode == 0 and "missing ranks: {1}" in native.stdout + native.stderr, native
 
 
+@needs_cuda
+@needs_two
+def test_what_a_rank_holds_outside_torchs_allocator_is_near_the_plans_runtime_and_nccl_lines(tmp_path):
+    """Issue 41, item 3, on 2 GPUs (written without a GPU at hand; run it on a 2-GPU node): a DDP rank under
+    NCCL holds, beyond torch's caching allocator, the CUDA context and one NCCL communicator's buffers
+    (the world's). nvidia-smi's figure for the rank's process (or, where it cannot list the container's
+    pids, the GPU's used memory: one rank per GPU) minus torch's reserved bytes after the last step is
+    within a factor of 2 of the plan's "runtime" + "NCCL buffers" lines; the figures are printed for
+    docs/memory.md."""
+    from trainkit.recipe.memory_plan import setting_of
+    from trainkit.recipe.resolver import resolve
+
+    probe = tmp_path / "gpu-memory"
+    probe.mkdir()
+    recipe = mlp_recipe(tmp_path, "nccl-memory", model=WIDE, data=DATA,
+                        launch={"nproc_per_node": 2, "backend": "nccl"},
+                        trainer={"max_steps": 6, "log_every": 2, "checkpoint": {"every": 100}})
+    result = trainkit(tmp_path, "run", str(recipe), timeout=300, TRAINKIT_FAULT_PROBE_GPU_MEMORY=str(probe))
+    assert result.returncode == 0, result.output[-4000:]
+    setting = setting_of(resolve(recipe).recipe, "cuda")
+    assert setting.nccl_communicators == ("world",)
+    from trainkit.recipe.memory_plan import NCCL_BYTES_PER_COMMUNICATOR, RUNTIME_BYTES
+
+    predicted = RUNTIME_BYTES["cuda"] + NCCL_BYTES_PER_COMMUNICATOR
+    for rank in (0, 1):
+        seen = json.loads((probe / f"gpu-rank{rank}.json").read_text())
+        used = seen["process_used"] if seen["process_used"] is not None else seen["device_used"]
+        outside = used - seen["reserved"]
+        print(f"rank {rank}: outside torch's allocator {outside / 2**20:.0f} MiB (nvidia-smi "
+              f"{seen['process_used']}, device {seen['device_used']}, reserved {seen['reserved']}); plan "
+              f"{predicted / 2**20:.0f} MiB (runtime {RUNTIME_BYTES['cuda'] / 2**20:.0f} + NCCL "
+              f"{NCCL_BYTES_PER_COMMUNICATOR / 2**20:.0f})")
+        assert seen["step"] == 6 and predicted / 2 < outside < predicted * 2, (rank, seen, predicted)
+
+
 def test_bf16_is_not_advised_on_a_gpu_that_only_emulates_it(monkeypatch):
     """(Runs without a GPU too: the capability is faked.) A V100/T4 answers torch.cuda.is_bf16_supported() True (emulation) and False with
     including_emulation=False: the advice's environment must say bf16 is not fast there."""

@@ -28,6 +28,13 @@ OPTIMIZER_TENSORS = {"adam": 2, "adamw": 2}  # fp32 state tensors per parameter 
 # a rank before its model: on the CPU measured (docs/benchmarks.md, "Memory plan"); on CUDA the context's
 # typical size (not measured on this project's machines yet)
 RUNTIME_BYTES = {"cpu": 560 * MiB, "cuda": 600 * MiB}
+# NCCL's buffers, per communicator on a rank, an estimate (docs/memory.md, "NCCL's buffers"): each connection
+# to a peer holds NCCL's three protocol buffers -- Simple 4 MiB (NCCL_BUFFSIZE), LL128 4.69 MiB and LL
+# 0.5 MiB (NCCL's DEFAULT_LL128_BUFFSIZE and DEFAULT_LL_BUFFSIZE) -- and each channel of a ring or tree
+# connects a rank to 2 peers; GPUs on NVLink run ~16 channels (PCIe fewer, NVLink SHARP more)
+NCCL_CONNECTION_BYTES = (4 << 20) + 4_915_200 + (512 << 10)
+NCCL_CHANNELS, NCCL_PEERS_PER_CHANNEL = 16, 2
+NCCL_BYTES_PER_COMMUNICATOR = NCCL_CHANNELS * NCCL_PEERS_PER_CHANNEL * NCCL_CONNECTION_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +78,7 @@ class Setting:
     device_type: str
     async_save: bool = False  # trainer.checkpoint.async_save: a staged host copy of the state while a save writes
     tensor_parallel: int = 1  # parallel.tp: the layout's divisors include it; a gathered unit is a 1/tp slice
+    nccl_communicators: tuple[str, ...] = ()  # the groups a rank holds an NCCL communicator for (`nccl_communicators`)
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,25 @@ def setting_of(recipe: Any, device_type: str) -> Setting:
                    grad_accum_steps=recipe.trainer.grad_accum_steps,
                    activation_checkpointing=checkpoints_activations(recipe),
                    tensor_parallel=recipe.parallel_dims(ws).tp if recipe.parallel is not None else 1,
-                   device_type=device_type, async_save=recipe.trainer.checkpoint.async_save)
+                   device_type=device_type, async_save=recipe.trainer.checkpoint.async_save,
+                   nccl_communicators=nccl_communicators(recipe, ws, device_type))
+
+
+def nccl_communicators(recipe: Any, world_size: int, device_type: str) -> tuple[str, ...]:
+    """The process groups of 2 or more ranks a rank holds an NCCL communicator for, each with buffers of its
+    own: the world's, each mesh dimension's and each flattened view's (runtime/mesh.py) -- a group of every
+    rank is the world's (DeviceMesh reuses it). An upper estimate: NCCL makes a group's communicator at its
+    first collective, and a strategy may never run one on some dimension."""
+    backend = recipe.launch.backend
+    if device_type != "cuda" or world_size < 2 or backend == "gloo":
+        return ()
+    d = recipe.parallel_dims(world_size)
+    sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp}
+    if d.dp_replicate > 1 and d.dp_shard > 1:
+        sizes["dp (flattened)"] = d.dp
+    if d.tp > 1 and d.dp_shard > 1:  # FSDP's dimensions and tp, flattened for a norm over both
+        sizes["fsdp x tp (flattened)"] = d.dp * d.tp if d.dp_replicate > 1 else d.dp_shard * d.tp
+    return ("world", *(name for name, size in sizes.items() if 1 < size < world_size))
 
 
 def checkpoints_activations(recipe: Any) -> bool:
@@ -217,6 +243,12 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         parts.append(activations)
     if s.async_save:
         parts.append(_staged_checkpoint(parts))
+    if s.nccl_communicators:
+        n = len(s.nccl_communicators)
+        parts.append(Part("NCCL buffers", n * NCCL_BYTES_PER_COMMUNICATOR, "device",
+                          f"{n} communicator{'s' if n > 1 else ''} ({', '.join(s.nccl_communicators)}) x "
+                          f"{NCCL_BYTES_PER_COMMUNICATOR / MiB:.0f} MiB ({NCCL_CHANNELS} channels x "
+                          f"{NCCL_PEERS_PER_CHANNEL} peers x {NCCL_CONNECTION_BYTES / MiB:.2f} MiB; an estimate)"))
     parts.append(Part("runtime", RUNTIME_BYTES.get(s.device_type, RUNTIME_BYTES["cpu"]) + L.runtime_bytes,
                       "host" if s.device_type == "cpu" else "device",
                       "the process before the model (measured)" if s.device_type == "cpu" else

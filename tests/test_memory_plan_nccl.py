@@ -1,0 +1,52 @@
+"""The plan's NCCL buffers (issue 41, item 3): on CUDA with NCCL each process group of 2 or more ranks a rank
+belongs to holds a communicator with buffers of its own, outside torch's allocator; the plan counts them
+per communicator from the mesh. In-process: the arithmetic from resolved recipes. The figure per
+communicator is an estimate, to be checked against nvidia-smi on GPUs (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lm_runs import tiny_lm
+from run_helpers import write_recipe
+from trainkit.recipe.memory_plan import NCCL_BYTES_PER_COMMUNICATOR, ModelSizes, plan, setting_of
+from trainkit.recipe.resolver import resolve
+
+SIZES = ModelSizes(parameters=10_000_000, buffer_bytes=0, largest_unit=1_000_000, activation_bytes=50_000_000)
+
+
+def nccl_line(tmp_path, device_type: str = "cuda", **sections):
+    path = write_recipe(tmp_path, "nccl", tiny_lm({"files": ["x.txt"], "tokenizer": "t.json"}), **sections)
+    setting = setting_of(resolve(path).recipe, device_type)
+    lines = [p for p in plan(SIZES, setting).parts if p.name == "NCCL buffers"]
+    return setting.nccl_communicators, (lines[0] if lines else None)
+
+
+def test_each_group_of_the_mesh_holds_a_communicator_and_the_world_group_serves_whole_world_views(tmp_path):
+    """HSDP 2 x 2 with tp 2 on 8 GPUs: the world, each dimension of more than one rank, and data
+    parallel flattened (4 ranks); FSDP's dimensions with tp flattened span all 8, so they are the world's."""
+    groups, line = nccl_line(tmp_path, strategy={"name": "fsdp"}, launch={"nproc_per_node": 8},
+                             parallel={"dp_replicate": 2, "dp_shard": 2, "tp": 2})
+    assert groups == ("world", "dp_replicate", "dp_shard", "tp", "dp (flattened)")
+    assert line.bytes == 5 * NCCL_BYTES_PER_COMMUNICATOR and line.where == "device"
+    assert "5 communicators (world, dp_replicate, dp_shard, tp, dp (flattened))" in line.how, line.how
+    assert 280 < NCCL_BYTES_PER_COMMUNICATOR / 2**20 < 300  # 16 channels x 2 peers x 9.19 MiB
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({"strategy": {"name": "ddp"}, "launch": {"nproc_per_node": 8}}, ("world",)),  # DDP's dimension is the world
+    ({"strategy": {"name": "fsdp"}, "launch": {"nproc_per_node": 4}, "parallel": {"dp_shard": 2, "tp": 2}},
+     ("world", "dp_shard", "tp")),
+])
+def test_a_dimension_of_every_rank_is_the_world_group(tmp_path, sections, expected):
+    groups, line = nccl_line(tmp_path, **sections)
+    assert groups == expected and line.bytes == len(expected) * NCCL_BYTES_PER_COMMUNICATOR
+
+
+@pytest.mark.parametrize("device_type, sections", [
+    ("cuda", {"launch": {"nproc_per_node": 1}}),  # one GPU: no peers
+    ("cuda", {"launch": {"nproc_per_node": 2, "backend": "gloo"}}),
+    ("cpu", {"launch": {"nproc_per_node": 2}}),
+])
+def test_no_nccl_no_buffers(tmp_path, device_type, sections):
+    assert nccl_line(tmp_path, device_type, strategy={"name": "ddp"}, **sections) == ((), None)
