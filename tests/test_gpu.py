@@ -347,6 +347,44 @@ def test_what_a_rank_holds_outside_torchs_allocator_is_near_the_plans_runtime_an
         assert seen["step"] == 6 and predicted / 2 < outside < predicted * 2, (rank, seen, predicted)
 
 
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_tensor_parallel_dropout_is_one_mask_per_tp_group_another_per_replica_and_replays(tmp_path):
+    """Issue 41, item 4, on 4 GPUs (written without a GPU at hand): dp_replicate 2 x tp 2, each rank seeded
+    as a worker seeds it (tests/gpu_tensor_parallel_dropout.py). The two ranks of a tensor-parallel group
+    draw one mask for a replicated activation, each by itself, the two replicas different ones (without
+    trainkit's seeding DTensor's tracker broadcasts rank 0's state: one mask everywhere), and restoring
+    the checkpoint's RNG state replays the next mask."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from run_helpers import env_for, free_port
+
+    out = tmp_path / "masks"
+    out.mkdir()
+    script = Path(__file__).resolve().parent / "gpu_tensor_parallel_dropout.py"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                             str(free_port()), str(script), str(out)], env=env_for(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+    assert proc.returncode == 0, log[-4000:]
+    seen = [json.loads((out / f"masks-rank{r}.json").read_text()) for r in range(4)]
+    per_replica = {}
+    for s in seen:
+        per_replica.setdefault(s["replica"], set()).add((s["replicated"], s["first"]))
+    # the group's ranks drew the replicated activation's mask alike, each by itself
+    assert sorted(per_replica) == [0, 1] and all(len(m) == 1 for m in per_replica.values()), seen
+    (own_0, whole_0), (own_1, whole_1) = per_replica[0].pop(), per_replica[1].pop()
+    assert own_0 != own_1 and whole_0 != whole_1, seen  # the replicas drop different units
+    assert all(s["again"] == s["second"] != s["first"] for s in seen), seen
+
+
 def test_bf16_is_not_advised_on_a_gpu_that_only_emulates_it(monkeypatch):
     """(Runs without a GPU too: the capability is faked.) A V100/T4 answers torch.cuda.is_bf16_supported() True (emulation) and False with
     including_emulation=False: the advice's environment must say bf16 is not fast there."""

@@ -3,8 +3,8 @@ the first random op broadcasts rank 0's generator over the world; the worker mak
 that sync, seeded per data-parallel replica (`seeding.seed_tensor_parallel_random`). The CPU has no
 tracker, so what runs there is the wiring: which mesh and seed reach DTensor's `manual_seed`. On one
 GPU (the GPU tier, `pytest -m gpu`; not run yet): the tracker made without a broadcast, and DTensor's
-dropout replayed from the checkpoint's RNG state. Replicas drawing different masks needs a model with a
-random op on DTensors under dp x tp (4 GPUs); no test runs that yet."""
+dropout replayed from the checkpoint's RNG state. Replicas drawing different masks, and a tensor-parallel
+group one: tests/test_gpu.py on 4 GPUs (dp 2 x tp 2), not run yet."""
 
 from __future__ import annotations
 
