@@ -11,9 +11,10 @@ faults never leak into another's run.
 
 - TRAINKIT_FAULT_INJECT="rank=1,step=7": that rank `os._exit(1)`s right after that optimizer step,
   on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so tests can check that torchrun
-  restarts and that resume loses nothing. ",saved=wait": first wait for this rank's checkpoint writes
-  still running in the background (`async_save`), so the last checkpoint is sealed before the crash
-  (without it, a crash may lose the save in flight, as it should, and the restart begins elsewhere).
+  restarts and that resume loses nothing. ",saved=wait": first wait (up to 120 s, else fail loudly) for
+  this rank's checkpoint writes still running in the background (`async_save`): its part of the last
+  save is written before the crash, and rank 0, alive, seals it (without it, a crash may lose the save
+  in flight, as it should, and the restart begins elsewhere).
 - TRAINKIT_FAULT_DELAY="rank=1,ms=40": that rank sleeps before every forward (a straggler).
 - TRAINKIT_FAULT_HANG="rank=1,step=4,where=backward,how=sleep": that rank stops making progress in that
   optimizer step, in its forward (where=forward) or its backward (where=backward, a gradient hook), by
@@ -191,7 +192,9 @@ def install(*, model, rank: int) -> list:
             def exit_at(step: int) -> None:
                 if step == at:
                     for write in writes:
-                        write.wait(120)
+                        if not write.wait(120):
+                            raise RuntimeError("TRAINKIT_FAULT_INJECT saved=wait: a background checkpoint write "
+                                               "did not finish in 120 s")
                     print(f"trainkit: TRAINKIT_FAULT_INJECT: rank {rank} exits at step {step}", file=sys.stderr,
                           flush=True)
                     os._exit(1)
@@ -420,12 +423,15 @@ def install_gpu_memory_probe(*, rank: int) -> list:
     import torch
 
     def process_used() -> "int | None":
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-        for line in out.splitlines():
-            pid, _, mib = line.partition(",")
-            if pid.strip() == str(os.getpid()):
-                return int(mib) * 2**20
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+            for line in out.splitlines():
+                pid, _, mib = line.partition(",")
+                if pid.strip() == str(os.getpid()):
+                    return int(mib) * 2**20
+        except (OSError, ValueError, subprocess.SubprocessError):  # no nvidia-smi, "[N/A]" (MIG): the device's figure
+            pass
         return None
 
     def record(step: int) -> None:

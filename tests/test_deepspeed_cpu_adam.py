@@ -105,7 +105,8 @@ def test_preflight_refuses_offload_when_cpu_adam_cannot_be_compiled(tmp_path, mo
 
 def test_zero2_with_optimizer_offload_and_accumulation_follows_the_one_process_trajectory(cells, single):
     """ZeRO-2, optimizer state offloaded to the CPU (torch's sgd: no CPU Adam), 2 accumulation micro-steps
-    of 4 per rank (DeepSpeed's gradient_accumulation_steps): the one process's losses at batch 16."""
+    of 4 per rank (DeepSpeed's gradient_accumulation_steps): the one process's losses at batch 16, its 6
+    steps (the removed launch of tests/test_strategies_deepspeed.py compared 20)."""
     from strategy_runs import RTOL
 
     assert steps(cells["sgd"]["losses"]) == pytest.approx(single[:STEPS], rel=RTOL)

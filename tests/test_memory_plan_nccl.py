@@ -35,8 +35,10 @@ def test_each_group_of_the_mesh_holds_a_communicator_and_the_world_group_serves_
 
 @pytest.mark.parametrize("sections, expected", [
     ({"strategy": {"name": "ddp"}, "launch": {"nproc_per_node": 8}}, ("world",)),  # DDP's dimension is the world
+    # FSDP x TP: the data-parallel ranks flattened (the loss and evaluation sums) are a group of their own,
+    # though they are dp_shard's ranks; FSDP's dimensions with tp span the world
     ({"strategy": {"name": "fsdp"}, "launch": {"nproc_per_node": 4}, "parallel": {"dp_shard": 2, "tp": 2}},
-     ("world", "dp_shard", "tp")),
+     ("world", "dp_shard", "tp", "dp (flattened)")),
 ])
 def test_a_dimension_of_every_rank_is_the_world_group(tmp_path, sections, expected):
     groups, line = nccl_line(tmp_path, **sections)
@@ -50,3 +52,28 @@ def test_a_dimension_of_every_rank_is_the_world_group(tmp_path, sections, expect
 ])
 def test_no_nccl_no_buffers(tmp_path, device_type, sections):
     assert nccl_line(tmp_path, device_type, strategy={"name": "ddp"}, **sections) == ((), None)
+
+
+def test_a_mesh_the_plan_proposes_is_planned_with_its_own_communicators(tmp_path):
+    """The plan's mesh alternative for a 1 B-parameter DDP recipe on 8 GPUs (FSDP 4 x tp 2): its NCCL line
+    counts the communicators of its own mesh (4), not the DDP recipe's one. (For a small model the
+    alternative's three more communicators outweigh what it shards, and the plan rightly proposes none.)"""
+    from types import SimpleNamespace
+
+    from trainkit.recipe.memory_mesh import mesh_alternatives
+    from trainkit.recipe.memory_plan import communicators_of_mesh
+
+    path = write_recipe(tmp_path, "ddp8", tiny_lm({"files": ["x.txt"], "tokenizer": "t.json"}),
+                        strategy={"name": "ddp"}, launch={"nproc_per_node": 8})
+    recipe = resolve(path).recipe
+    accepted = lambda *args: SimpleNamespace(verified=True, text=lambda: "verified")  # noqa: E731
+    big = ModelSizes(parameters=1_000_000_000, buffer_bytes=0, largest_unit=50_000_000, activation_bytes=2 * 10**9)
+    advice = mesh_alternatives(recipe, big, setting_of(recipe, "cuda"), available=2**40, verdict=accepted)
+    counted = []
+    for a in advice:
+        degrees = {k.split(".", 1)[1]: v for k, v in a.changes.items() if k.startswith("parallel.")}
+        line = next(p for p in a.plan.parts if p.name == "NCCL buffers")
+        expected = communicators_of_mesh(degrees, 8)
+        assert line.bytes == len(expected) * NCCL_BYTES_PER_COMMUNICATOR, (degrees, line.how)
+        counted.append(len(expected))
+    assert advice and max(counted) > 1, [a.text for a in advice]

@@ -146,19 +146,25 @@ def setting_of(recipe: Any, device_type: str) -> Setting:
 
 
 def nccl_communicators(recipe: Any, world_size: int, device_type: str) -> tuple[str, ...]:
-    """The process groups of 2 or more ranks a rank holds an NCCL communicator for, each with buffers of its
-    own: the world's, each mesh dimension's and each flattened view's (runtime/mesh.py) -- a group of every
-    rank is the world's (DeviceMesh reuses it). An upper estimate: NCCL makes a group's communicator at its
-    first collective, and a strategy may never run one on some dimension."""
-    backend = recipe.launch.backend
-    if device_type != "cuda" or world_size < 2 or backend == "gloo":
+    """The process groups of 2 or more ranks a rank of this recipe holds an NCCL communicator for
+    (`communicators_of_mesh`); none on the CPU, under gloo or on one GPU."""
+    if device_type != "cuda" or world_size < 2 or recipe.launch.backend == "gloo":
         return ()
-    d = recipe.parallel_dims(world_size)
-    sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp}
-    if d.dp_replicate > 1 and d.dp_shard > 1:
-        sizes["dp (flattened)"] = d.dp
-    if d.tp > 1 and d.dp_shard > 1:  # FSDP's dimensions and tp, flattened for a norm over both
-        sizes["fsdp x tp (flattened)"] = d.dp * d.tp if d.dp_replicate > 1 else d.dp_shard * d.tp
+    return communicators_of_mesh(recipe.parallel_dims(world_size).degrees(), world_size)
+
+
+def communicators_of_mesh(degrees: dict[str, int], world_size: int) -> tuple[str, ...]:
+    """A rank's NCCL communicators on a mesh of these degrees, each with buffers of its own: the world's,
+    each dimension's, and each flattened view's (runtime/mesh.py) -- a group of every rank is the
+    world's (DeviceMesh reuses it), while a flattened view is a group of its own even where its ranks are
+    one dimension's. An upper estimate: NCCL makes a group's communicator at its first collective, and a
+    strategy may never run one on some dimension."""
+    rep, shard, tp, pp = (degrees.get(d, 1) for d in ("dp_replicate", "dp_shard", "tp", "pp"))
+    sizes = {"pp": pp, "dp_replicate": rep, "dp_shard": shard, "tp": tp}
+    if tp > 1 or pp > 1:  # the ranks reading different batches, flattened: the loss and evaluation sums
+        sizes["dp (flattened)"] = rep * shard
+    if tp > 1 and shard > 1:  # FSDP's dimensions and tp, flattened for a norm over both
+        sizes["fsdp x tp (flattened)"] = (rep * shard if rep > 1 else shard) * tp
     return ("world", *(name for name, size in sizes.items() if 1 < size < world_size))
 
 

@@ -54,7 +54,7 @@ class EncodedBatch:
 
     Built in the loader's worker, it holds every image's bytes in one tensor: the worker hands the rank
     one shared-memory block per batch, not one per image (each costs the rank a file descriptor, a map
-    and an unmap: ~0.1 ms, a cap of ~9,000 images/s per rank; bench/image_decode.py measures both)."""
+    and an unmap: ~0.12 ms, a cap of ~8,000 images/s per rank; bench/image_decode.py measures both)."""
 
     work_on_device = True  # the loop times its move as the step's compute, not as waiting for data
 
@@ -62,8 +62,7 @@ class EncodedBatch:
         self.image_size, self.mean, self.std = image_size, mean, std
         self.shapes = [tuple(image.data.shape) for image in images]
         self.annotations = [(image.encoded, image.path, image.crop, image.flip) for image in images]
-        self.data = torch.cat([image.data.reshape(-1) for image in images]) if images else \
-            torch.empty(0, dtype=torch.uint8)
+        self.data = _packed([image.data.reshape(-1) for image in images])
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -106,6 +105,17 @@ class EncodedBatch:
         batch = torch.stack(out).float().div_(255)
         mean, std = _normalisation(str(device), tuple(self.mean), tuple(self.std))
         return batch.sub_(mean).div_(std)
+
+
+def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The uint8 tensors end to end in one. In a loader worker it is made in shared memory straight away,
+    as torch's `default_collate` makes its batches (the same private storage call): sending it to the
+    rank then copies nothing more."""
+    total = sum(part.numel() for part in parts)
+    out = None
+    if parts and torch.utils.data.get_worker_info() is not None:
+        out = parts[0].new(parts[0]._typed_storage()._new_shared(total, device="cpu")).resize_(total)
+    return torch.cat(parts, out=out) if parts else torch.empty(0, dtype=torch.uint8)
 
 
 def complete_jpeg(data: bytes) -> bool:
