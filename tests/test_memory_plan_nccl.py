@@ -77,3 +77,38 @@ def test_a_mesh_the_plan_proposes_is_planned_with_its_own_communicators(tmp_path
         assert line.bytes == len(expected) * NCCL_BYTES_PER_COMMUNICATOR, (degrees, line.how)
         counted.append(len(expected))
     assert advice and max(counted) > 1, [a.text for a in advice]
+
+
+@pytest.mark.parametrize("degrees", [
+    {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"dp_shard": 2, "tp": 2}, {"pp": 2, "tp": 2},
+    {"pp": 2, "dp_shard": 2}, {"dp_replicate": 2, "dp_shard": 4}, {"dp_replicate": 8}, {"pp": 2, "dp_shard": 2, "tp": 2},
+], ids=str)
+def test_the_groups_counted_are_the_groups_torch_makes_for_the_runs_mesh(degrees):
+    """Against torch itself, in one process (its "fake" backend stands for 8 ranks): the run's mesh
+    (runtime/mesh.py) with the views the strategies ask for -- the data-parallel ranks flattened where tp or
+    pp splits the batch's ranks (`Strategy.data_parallel_group`), FSDP's dimensions with tp where there is tp
+    -- gives rank 0 exactly the groups of 2 or more ranks the plan counts: a group of every rank is the
+    world's, a flattened view is a group of its own."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainkit.recipe.blocks.strategy import ParallelDims
+    from trainkit.recipe.memory_plan import communicators_of_mesh
+    from trainkit.runtime.mesh import build_mesh
+
+    dims = ParallelDims(**degrees)
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
+    try:
+        mesh = build_mesh(dims, "cpu")
+        if dims.tp * dims.pp > 1:
+            mesh.view("batch")
+        if dims.tp > 1:
+            mesh.view("fsdp_tp")
+        made = [distributed_c10d.get_process_group_ranks(pg) for pg in distributed_c10d._world.pg_map]
+    finally:
+        dist.destroy_process_group()
+    made = [ranks for ranks in made if len(ranks) > 1]
+    counted = communicators_of_mesh(dims.degrees(), dims.world_size)
+    assert len(made) == len(counted), (made, counted)

@@ -163,7 +163,7 @@ def communicators_of_mesh(degrees: dict[str, int], world_size: int) -> tuple[str
     sizes = {"pp": pp, "dp_replicate": rep, "dp_shard": shard, "tp": tp}
     if tp > 1 or pp > 1:  # the ranks reading different batches, flattened: the loss and evaluation sums
         sizes["dp (flattened)"] = rep * shard
-    if tp > 1 and shard > 1:  # FSDP's dimensions and tp, flattened for a norm over both
+    if tp > 1:  # FSDP's dimensions and tp, flattened for a norm over both (strategies/fsdp.py, pipeline_sharded.py)
         sizes["fsdp x tp (flattened)"] = (rep * shard if rep > 1 else shard) * tp
     return ("world", *(name for name, size in sizes.items() if 1 < size < world_size))
 

@@ -11,9 +11,10 @@ The augmentation is drawn in the worker with the same torch calls, in the same o
 then differ only by the JPEG decoder and the resize kernel (tests/test_device_decode.py measures it).
 
 Files that are not JPEGs (PNG, ...) are decoded (and a training crop cut) in the worker as before,
-and only resized, flipped and normalised on the device. `on_corrupt` is applied in the worker to files whose header cannot be read or whose JPEG data
-is truncated (no end-of-image marker after its last scan); a JPEG that passes both but whose data is broken is retried on
-the host with PIL, and stops the run naming the file if PIL cannot read it either (docs/performance.md).
+and only resized, flipped and normalised on the device. `on_corrupt` is applied in the worker to files
+whose header cannot be read or whose JPEG data is truncated (no end-of-image marker after its last
+scan); a JPEG that passes both but whose data is broken is retried on the host with PIL, and stops the
+run naming the file if PIL cannot read it either (docs/performance.md).
 
 Hand-written: torchvision gives the decoder and the functional transforms, not a loader that splits
 them between host and device (DALI does, but does not install here).

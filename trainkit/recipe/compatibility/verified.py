@@ -13,10 +13,9 @@ features, not their numbers (tp 2 and tp 4 are the same cell).
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
