@@ -8,6 +8,7 @@
 #   bash bench/gpu_tier.sh OUT grid       # the grid on one device (~3 min), recorded as `gpu-1`
 #   bash bench/gpu_tier.sh OUT checkpoint # async_save's blocking time per save, pinned staging (~1.5 min)
 #   bash bench/gpu_tier.sh OUT images     # JPEG decoding on the GPU against the loader's, images/s (~1 min)
+#   bash bench/gpu_tier.sh OUT nccl-timing  # what NCCL's start events cost per collective (~20 s)
 #   bash bench/gpu_tier.sh OUT install    # only the wheels below and the environment report
 #
 # Where the node lacks trainkit's dependencies and has no index, put their wheels in .whl/ (the
@@ -36,6 +37,10 @@ if [ "$STAGE" = checkpoint ]; then  # async_save's blocking time with pinned, re
 fi
 if [ "$STAGE" = images ]; then  # data.decode: device against the loader's decoding, per part (~1 min)
   timeout 120 "$PY" bench/image_decode.py --device cuda --pairs 7 --images 256 2>&1 | tee "$OUT/image_decode.log"
+  exit 0
+fi
+if [ "$STAGE" = nccl-timing ]; then  # TORCH_NCCL_ENABLE_TIMING=1 against 0, per collective (~20 s)
+  timeout 120 "$PY" bench/nccl_timing_overhead.py --pairs 9 2>&1 | tee "$OUT/nccl_timing.log"
   exit 0
 fi
 if [ "$STAGE" = grid ]; then

@@ -4,26 +4,37 @@ healthy ranks block later in trainkit's own code (the loop's `.tolist()`) and th
 be a step "ahead"; the stack rule, made for gloo, then blames a healthy rank.
 
 In-process, on records laid out as torch writes them (`dump_nccl_trace_pickle`: entries with
-process_group, collective_seq_id, profiling_name, state, is_p2p; pg_config with each group's ranks).
+process_group, collective_seq_id, profiling_name, state, is_p2p; pg_config with each group's ranks),
+as the launcher's TORCH_NCCL_ENABLE_TIMING=1 makes them (a start time on each collective that
+started); one test reads records torch's own writer made (gloo's, the same FlightRecorder code).
 Not yet checked against a real NCCL hang: no GPU was lent when this was written (docs/running.md)."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
 
-from trainkit.launch import flight_recorder_dumps, nccl_blame
+import pytest
+from run_helpers import free_port
+
+from trainkit.launch import flight_recorder_dumps, hang_watch, nccl_blame
 from trainkit.launch.hang_watch import Rank, _behind
 
 WORLD = [0, 1, 2, 3]
 
 
-def entry(seq: int, state: str, group=("0", "default_pg"), op="nccl:all_reduce", p2p=False) -> dict:
+def entry(seq: int, state: str, group=("0", "default_pg"), op="nccl:all_reduce", p2p=False, timing=True) -> dict:
+    """A record as ProcessGroupNCCL writes it; with `timing` (TORCH_NCCL_ENABLE_TIMING=1, the launcher's
+    default) a collective that started or completed has its start time, without it none has."""
+    started = seq * 1000 + 1 if timing and state in ("started", "completed") else None
     return {"record_id": seq, "pg_id": int(group[0]), "process_group": group, "collective_seq_id": seq,
             "p2p_seq_id": 0, "op_id": seq, "profiling_name": op, "time_created_ns": seq * 1000,
             "input_sizes": [[7556]], "input_dtypes": ["Float"], "output_sizes": [[7556]],
-            "output_dtypes": ["Float"], "state": state, "time_discovered_started_ns": None,
-            "time_discovered_completed_ns": None, "retired": state == "completed", "timeout_ms": 600000,
-            "is_p2p": p2p, "frames": []}
+            "output_dtypes": ["Float"], "state": state, "time_discovered_started_ns": started,
+            "time_discovered_completed_ns": seq * 1000 + 2 if state == "completed" else None,
+            "retired": state == "completed", "timeout_ms": 600000, "is_p2p": p2p, "frames": []}
 
 
 def record(entries: list[dict], groups=None) -> dict:
@@ -32,8 +43,8 @@ def record(entries: list[dict], groups=None) -> dict:
             "entries": entries}
 
 
-def done(upto: int) -> list[dict]:
-    return [entry(s, "completed") for s in range(1, upto + 1)]
+def done(upto: int, timing=True) -> list[dict]:
+    return [entry(s, "completed", timing=timing) for s in range(1, upto + 1)]
 
 
 def rank(number: int, step: int, phase: str, innermost: str) -> Rank:
@@ -105,3 +116,62 @@ def test_the_pickled_record_is_read_as_torch_writes_it_and_gloo_records_are_igno
     assert flight_recorder_dumps._with_entries(b"") == {}
     assert flight_recorder_dumps._with_entries(pickle.dumps({"entries": []})) == {}
     assert flight_recorder_dumps._with_entries(b"not a pickle") == {}
+
+
+def test_without_start_events_a_collective_no_rank_completed_is_said_to_be_undecidable_not_blamed_on_a_stack():
+    """With TORCH_NCCL_ENABLE_TIMING off NCCL records no start event, so no collective is ever `started`:
+    a GPU busy with earlier work and a collective that hangs look alike (all `scheduled`). The verdict
+    says so and names no rank, rather than letting the stack rule, wrong under NCCL, pick one. With
+    start events on, the same all-`scheduled` record means every GPU is still busy: no verdict."""
+    records = {r: record(done(20, timing=False) + [entry(21, "scheduled", timing=False)]) for r in WORLD}
+    blame = nccl_blame.blame(records)
+    assert blame.rank is None and "TORCH_NCCL_ENABLE_TIMING=1" in blame.why and "#21" in blame.why
+    assert _behind([rank(r, 7, "optimizer", TOLIST) for r in WORLD], blame)[1] == blame.why
+    assert nccl_blame.blame({r: record(done(20) + [entry(21, "scheduled")]) for r in WORLD}) is None
+    # rule 1 needs no start events: the rank that issued less is named either way
+    records[1] = record(done(20, timing=False))
+    assert nccl_blame.blame(records).rank == 1
+
+
+def test_the_launcher_asks_nccl_for_start_events_and_its_timeout_dumps_and_a_users_value_wins(tmp_path):
+    nccl = hang_watch.flight_recorder_env(tmp_path, {}, "cuda:nccl,cpu:gloo")
+    assert nccl["TORCH_NCCL_ENABLE_TIMING"] == "1" and nccl["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert "TORCH_NCCL_ENABLE_TIMING" not in hang_watch.flight_recorder_env(tmp_path, {"TORCH_NCCL_ENABLE_TIMING": "0"},
+                                                                            "nccl")
+    assert set(hang_watch.flight_recorder_env(tmp_path, {}, "gloo")) == {"TORCH_FR_BUFFER_SIZE"}
+
+
+TORCH_WRITES = """
+import os, pickle, torch, torch.distributed as dist
+import torch._C._distributed_c10d as c10d
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for _ in range(3 if rank == 0 else 2):  # rank 1 never issues the third all-reduce
+    dist.all_reduce(torch.ones(4), async_op=True)
+with open(os.environ["DUMP"] + str(rank), "wb") as f:
+    f.write(c10d._dump_fr_trace())
+os._exit(0)  # rank 0's third all-reduce never completes: no teardown
+"""
+
+
+@pytest.mark.slow
+def test_records_written_by_torchs_own_flight_recorder_are_read_and_the_rank_that_issued_less_is_named(tmp_path):
+    """The fields the blame reads are those torch's FlightRecorder writes: two gloo ranks (gloo records
+    into the same FlightRecorder, through the same writer, as NCCL) dump their record after rank 1
+    issued one all-reduce fewer than rank 0; the blame, on those records as they come, names rank 1."""
+    port = free_port()
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "100", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "DUMP": str(tmp_path / "rank")}
+    ranks = [subprocess.Popen([sys.executable, "-c", TORCH_WRITES], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=60)[0].decode() for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert all(p.returncode == 0 for p in ranks), outputs
+    records = {r: pickle.loads((tmp_path / f"rank{r}").read_bytes()) for r in (0, 1)}
+    assert [e["collective_seq_id"] for e in records[0]["entries"]] == [1, 2, 3]
+    blame = nccl_blame.blame(records)
+    assert blame.rank == 1 and "entered collective #3 (gloo:all_reduce)" in blame.why, blame
+    assert "rank 1 issued only up to #2" in blame.why

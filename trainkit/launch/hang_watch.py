@@ -314,11 +314,15 @@ def flight_recorder_env(run_dir: Path, environ, backend: str) -> dict:
     """torch's Flight Recorder for the workers (torchtitan's docs/debugging.md): a ring of the last
     2000 records, on every backend (the hang watch reads it). Under NCCL also its own dump when a
     collective times out, into RUN_DIR/reports/nccl-trace-rank<R> (analyse the dumps with `python -m
-    torch.distributed.flight_recorder.fr_trace`). A value already in the environment wins."""
+    torch.distributed.flight_recorder.fr_trace`), and a start event per collective
+    (TORCH_NCCL_ENABLE_TIMING): without it NCCL's record never says a collective `started` on a GPU,
+    which `nccl_blame` needs to tell a busy GPU from a hanging collective. A value already in the
+    environment wins."""
     wanted = {"TORCH_FR_BUFFER_SIZE": "2000"}
     if "nccl" in backend.split(",")[0]:
         report_path(run_dir, "").mkdir(parents=True, exist_ok=True)
-        wanted.update({"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(report_path(run_dir, NCCL_TRACE))})
+        wanted.update({"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_ENABLE_TIMING": "1",
+                       "TORCH_FR_DUMP_TEMP_FILE": str(report_path(run_dir, NCCL_TRACE))})
     return {k: v for k, v in wanted.items() if k not in environ}
 
 

@@ -16,6 +16,13 @@ peers), `completed`. That is the evidence used here:
 3. every rank `started` and none `completed`: no rank is behind; the collective itself hangs (the
    network, NCCL's transport), and the report says so.
 
+`started` exists only where NCCL records a start event per collective, which ProcessGroupNCCL does
+only with TORCH_NCCL_ENABLE_TIMING=1 (its WorkNCCL makes `ncclStartEvent_` only when timing is on, and
+FlightRecorder::update_state reports `started` only from that event): the launcher sets it under NCCL
+(`hang_watch.flight_recorder_env`). A run that turned it off gets rule 1 only; where rule 1 names
+nobody, the verdict says the record cannot tell (no start times anywhere in the records) instead of
+falling back on the stacks, which mislead under NCCL.
+
 Fields read, as torch writes them (torch/csrc/distributed/c10d/FlightRecorder*, read back by
 torch.distributed.flight_recorder.components.types): `entries[].process_group` (name, desc),
 `collective_seq_id`, `profiling_name` ("nccl:all_reduce"), `state`, `is_p2p`; `pg_config[name].ranks`
@@ -98,7 +105,20 @@ def _group_verdict(name: str, records: dict[int, dict]) -> Optional[Blame]:
         return Blame(None, f"NCCL Flight Recorder: every rank of {label} is inside collective #{last} "
                            f"({_op(newest[members[0]])}) and none completed it: no rank is behind; the "
                            f"collective itself hangs (the network or NCCL's transport: NCCL_DEBUG=INFO says more)")
+    if not started and not _start_times_recorded(records):
+        return Blame(None, f"NCCL Flight Recorder: every rank of {label} enqueued collective #{last} "
+                           f"({_op(newest[members[0]])}) and none completed it; without start events "
+                           f"(TORCH_NCCL_ENABLE_TIMING=1, which this run turned off) the record cannot tell a GPU "
+                           f"still busy with earlier work from a collective that hangs: the stacks below do not "
+                           f"say either under NCCL")
     return None
+
+
+def _start_times_recorded(records: dict[int, dict]) -> bool:
+    """Whether NCCL recorded start events (TORCH_NCCL_ENABLE_TIMING): then every collective that
+    started or completed has its start time; without them none has."""
+    return any(e.get("time_discovered_started_ns") is not None
+               for record in records.values() for e in record.get("entries", []))
 
 
 def _label(name: str, records: dict[int, dict]) -> str:
