@@ -302,6 +302,10 @@ def test_a_hang_under_nccl_has_the_flight_recorder_section_and_nccls_own_dumps(t
     reports = tmp_path / "runs" / "nccl-hang" / "reports"
     report = (reports / "hang.md").read_text()
     assert report.startswith("# Hang: rank 1 is behind at step 6"), report
+    # the blame comes from NCCL's record (issue 41, item 1): rank 0 enqueued the bucket's all-reduce
+    # and its host ran on; rank 1, asleep before it, issued one collective fewer
+    assert "NCCL Flight Recorder: the other ranks of process group 0" in report, report
+    assert "rank 1 issued only up to #" in report, report
     section = report.split("## Flight Recorder", 1)[1].split("\n## ", 1)[0]
     assert "- ranks {1} did not join nccl:all_reduce #" in section, section
     assert sorted(p.name for p in (reports / "flight-recorder").glob("rank*")) == ["rank0", "rank1"]
