@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from run_helpers import mlp_recipe
 
+from trainkit.doctor.resources import mem_get_info_in_a_process_of_its_own as REAL_MEM_GET_INFO_ELSEWHERE
+
 GiB = 1 << 30
 NCCL_VERSION = "NCCL version 2.30.7"
 
@@ -58,8 +60,21 @@ OUT_OF_MEMORY = [
                  "NCCL communicator set-up ran out of host memory", id="nccl-malloc"),
     pytest.param(nccl_error(*UNHANDLED_CUDA, "Failed to CUDA host alloc 4923392 bytes"),
                  "NCCL communicator set-up ran out of host memory", id="nccl-pinned"),
+    pytest.param(nccl_error(*UNHANDLED_CUDA, "Failed to CUDA calloc 33554432 bytes"),
+                 "NCCL communicator set-up ran out of GPU memory", id="nccl-calloc"),
+    pytest.param(nccl_error(*UNHANDLED_CUDA, "Failed to CUDA calloc async 4194304 bytes"),
+                 "NCCL communicator set-up ran out of GPU memory", id="nccl-calloc-async"),
+    pytest.param(nccl_error(*UNHANDLED_CUDA, "Failed to CUDA malloc 9633792 bytes"),
+                 "NCCL communicator set-up ran out of GPU memory", id="nccl-malloc-gpu"),
+    pytest.param(nccl_error(*UNHANDLED_CUDA, "Failed to bind NVLink SHARP (NVLS) Multicast memory of size "
+                                             "1073741824 : CUDA error 2 'out of memory'."),
+                 "NCCL communicator set-up ran out of GPU memory", id="nccl-nvls"),
     pytest.param(accelerator_error("CUDA error: out of memory" + CUDA_HINT, 2),
-                 "a CUDA call outside the caching allocator ran out of GPU memory", id="accelerator"),
+                 "a CUDA call outside the caching allocator ran out of memory", id="accelerator"),
+    pytest.param(RuntimeError("CUDA error: out of memory when calling `cusparseCreate(handle)`"),
+                 "a CUDA call outside the caching allocator ran out of memory", id="cusparse"),
+    pytest.param(RuntimeError("CUDA driver error: out of memory"),
+                 "a CUDA call outside the caching allocator ran out of memory", id="driver-api"),
     pytest.param(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
                  "cuBLAS could not allocate GPU memory", id="cublas"),
     pytest.param(RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"),
@@ -87,6 +102,8 @@ NOT_OUT_OF_MEMORY = [
                  id="cublas-execution"),
     pytest.param(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
                               "non-contiguous input."), id="cudnn-unsupported"),
+    pytest.param(RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"),
+                 id="cublas-create-no-device"),  # here mem_get_info cannot say: not read as out of memory
 ]
 
 
@@ -148,7 +165,10 @@ class FakeGpus:
     """torch.cuda's answers for a node with these GPUs (total, used by other processes)."""
 
     def __init__(self, monkeypatch, gpus: list[tuple[int, int]], nvml: bool = True):
-        self.gpus, self.asked_free = gpus, []
+        from trainkit.doctor import resources
+
+        self.gpus, self.asked_free, self.asked_elsewhere = gpus, [], []
+        monkeypatch.setattr(resources, "mem_get_info_in_a_process_of_its_own", self.mem_get_info_elsewhere)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
         monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -169,6 +189,11 @@ class FakeGpus:
         total, used = self.gpus[i]
         return total - used, total
 
+    def mem_get_info_elsewhere(self, i):  # the same, in a child process whose context ends with it
+        self.asked_elsewhere.append(i)
+        total, used = self.gpus[i]
+        return total - used, total
+
 
 @pytest.mark.parametrize("nvml", [True, False], ids=["nvml", "mem_get_info"])
 def test_the_plans_cuda_budget_is_the_memory_free_at_launch_on_the_fullest_gpu(tmp_path, monkeypatch, nvml):
@@ -183,7 +208,39 @@ def test_the_plans_cuda_budget_is_the_memory_free_at_launch_on_the_fullest_gpu(t
     assert verdict.budget == 50 * GiB  # cuda:1's free, not the 80 GiB total (cuda:2 is not this node's)
     assert verdict.budget_how == ("50.0 GiB free of 80.0 GiB on NVIDIA H100 80GB HBM3 (cuda:1, the least free of "
                                   "the 2 this node's ranks take)")
-    assert gpus.asked_free == ([] if nvml else [0, 1])  # with NVML the launcher makes no CUDA context
+    assert gpus.asked_free == []  # the launcher makes no CUDA context of its own
+    assert gpus.asked_elsewhere == ([] if nvml else [0, 1])  # without NVML a child process asks CUDA
+
+
+def test_on_a_gpu_split_into_mig_instances_nvmls_whole_gpu_figures_are_not_the_budget(tmp_path, monkeypatch):
+    """A MIG slice of 20 GiB on a GPU whose other tenants use 60 GiB: NVML's used memory is the whole
+    GPU's (under the slice's total, so it looks plausible); the budget is the slice's own free memory,
+    from cudaMemGetInfo in a child process."""
+    import pynvml
+
+    from trainkit.doctor.resources import memory_verdict
+    from trainkit.recipe import resolve
+
+    gpus = FakeGpus(monkeypatch, [(20 * GiB, 2 * GiB)])
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda i: 15 * GiB)  # the parent GPU's tenants
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: f"handle{i}")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMigMode", lambda handle: (pynvml.NVML_DEVICE_MIG_ENABLE, 1))
+    recipe = resolve(mlp_recipe(tmp_path, "mig", launch={"nproc_per_node": 1, "backend": "nccl"})).recipe
+    assert memory_verdict(recipe).budget == 18 * GiB and gpus.asked_elsewhere == [0] and gpus.asked_free == []
+
+
+@pytest.mark.slow
+def test_where_no_process_can_read_the_free_memory_the_budget_is_the_total_said_as_such(tmp_path, monkeypatch):
+    """The child process really runs (this machine has no CUDA, so cudaMemGetInfo fails there) and the
+    budget falls back to the device's total, worded so."""
+    from trainkit.doctor import resources
+
+    FakeGpus(monkeypatch, [(80 * GiB, 10 * GiB)], nvml=False)
+    monkeypatch.setattr(resources, "mem_get_info_in_a_process_of_its_own", REAL_MEM_GET_INFO_ELSEWHERE)
+    assert resources.mem_get_info_in_a_process_of_its_own(0) is None
+    budget, how = resources.cuda_budget(1)
+    assert budget == 80 * GiB and how == "80.0 GiB on NVIDIA H100 80GB HBM3 (free memory unknown)"
 
 
 def test_a_one_gpu_budget_says_free_of_total(tmp_path, monkeypatch):
@@ -194,3 +251,16 @@ def test_a_one_gpu_budget_says_free_of_total(tmp_path, monkeypatch):
     recipe = resolve(mlp_recipe(tmp_path, "one-gpu", launch={"nproc_per_node": 1, "backend": "nccl"})).recipe
     verdict = memory_verdict(recipe)
     assert verdict.budget == 8 * GiB and verdict.budget_how == "8.0 GiB free of 80.0 GiB on NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("free, out_of_memory", [(100 << 20, True), (40 * GiB, False)], ids=["nearly-full", "free"])
+def test_cublas_failing_to_create_its_handle_is_out_of_memory_only_with_the_gpu_nearly_full(watch, monkeypatch, free,
+                                                                                            out_of_memory):
+    """cuBLAS says NOT_INITIALIZED, not ALLOC_FAILED, when cublasCreate finds no GPU memory; a broken CUDA
+    context says the same. The rank's free device memory at that moment (cudaMemGetInfo) decides."""
+    exc = RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GiB))
+    kind = watch.out_of_memory_kind(exc)
+    assert (kind is not None) == out_of_memory
+    if out_of_memory:
+        assert kind.startswith("cuBLAS could not create its handle with the GPU nearly full")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -225,30 +227,74 @@ def cuda_budget(nproc: int) -> tuple[int, str]:
     since another process (or a rank of an earlier job still exiting) may hold part of a device.
 
     Free is the device's total less what NVML says is used (`torch.cuda.device_memory_used`): that
-    creates no CUDA context in the launcher, which holds one for the whole run once made (hundreds of
-    MiB of every GPU it touched, and on a GPU in exclusive-process mode the rank could not start).
-    Without NVML: `torch.cuda.mem_get_info` (cudaMemGetInfo, free and total)."""
+    creates no CUDA context in the launcher, which would hold one for the whole run once made
+    (hundreds of MiB of every GPU it touched, and on a GPU in exclusive-process mode the rank could
+    not start). Where NVML cannot speak for the device alone (no NVML; a MIG instance, which NVML
+    cannot map from CUDA_VISIBLE_DEVICES; a GPU in MIG mode, whose NVML figures are every tenant's),
+    `torch.cuda.mem_get_info` (cudaMemGetInfo) answers in a short-lived process of its own, whose
+    context goes with it."""
     import torch
 
     count = max(1, min(nproc, torch.cuda.device_count()))
     readings = [(*_free_and_total(i), i) for i in range(count)]
-    free, total, index = min(readings)
+    free, total, index = min(readings, key=lambda r: (r[1] if r[0] is None else r[0], r[2]))
+    if free is None:  # neither NVML nor cudaMemGetInfo could say: the device's total, said as such
+        return total, f"{human_bytes(total)} on {torch.cuda.get_device_name(index)} (free memory unknown)"
     where = f" (cuda:{index}, the least free of the {count} this node's ranks take)" if count > 1 else ""
     return free, f"{human_bytes(free)} free of {human_bytes(total)} on {torch.cuda.get_device_name(index)}{where}"
 
 
-def _free_and_total(index: int) -> tuple[int, int]:
+def _free_and_total(index: int) -> tuple[Optional[int], int]:
     import torch
 
     total = torch.cuda.get_device_properties(index).total_memory
+    used = _nvml_used(index)
+    if used is not None and 0 <= used <= total:  # more than the total: NVML read another device
+        return total - used, total
+    return mem_get_info_in_a_process_of_its_own(index) or (None, total)
+
+
+def _nvml_used(index: int) -> Optional[int]:
+    """NVML's used bytes of CUDA device `index`, or None where NVML cannot speak for it alone."""
+    import torch
+
     try:
         used = torch.cuda.device_memory_used(index)
     except Exception:  # no NVML (nvidia-ml-py, the driver's library), or a device it cannot map (MIG)
-        used = None
-    if used is not None and 0 <= used <= total:  # more than the total: NVML read another device (MIG)
-        return total - used, total
-    free, total = torch.cuda.mem_get_info(index)
-    return int(free), int(total)
+        return None
+    return None if _in_mig_mode(index) else used
+
+
+def _in_mig_mode(index: int) -> bool:
+    """Whether the GPU NVML maps CUDA device `index` to is split into MIG instances: then its used
+    memory is every instance's, and the device this process sees is one of them."""
+    try:
+        import pynvml
+        import torch
+
+        # torch's own CUDA-ordinal -> NVML-index map (CUDA_VISIBLE_DEVICES, UUIDs), the one its public
+        # device_memory_used uses; no public function exposes it
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(index))
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        return current == pynvml.NVML_DEVICE_MIG_ENABLE
+    except Exception:  # NVML_ERROR_NOT_SUPPORTED: a GPU without MIG
+        return False
+
+
+MEM_GET_INFO = "import sys, torch; print(*torch.cuda.mem_get_info(int(sys.argv[1])))"
+MEM_GET_INFO_TIMEOUT_S = 120
+
+
+def mem_get_info_in_a_process_of_its_own(index: int) -> Optional[tuple[int, int]]:
+    """cudaMemGetInfo's (free, total) for CUDA device `index`, asked by a child process (the same
+    CUDA_VISIBLE_DEVICES), so that the CUDA context it makes ends with it; None where it cannot say."""
+    try:
+        done = subprocess.run([sys.executable, "-c", MEM_GET_INFO, str(index)], capture_output=True, text=True,
+                              timeout=MEM_GET_INFO_TIMEOUT_S)
+        free, total = (int(x) for x in done.stdout.split())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return free, total
 
 
 def memory_verdict(recipe) -> Optional[MemoryVerdict]:

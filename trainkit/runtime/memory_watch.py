@@ -95,12 +95,25 @@ def phase(name: str) -> None:
 
 CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's CPU OOM: a RuntimeError
 CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation: AcceleratorError.error_code, "CUDA error: out of memory"
-# NCCL's own words for an allocation it could not make (its WARN, which torch's DistBackendError carries
-# after "Last error:"): CUDACHECK "Cuda failure 'out of memory'", CUCHECK "Cuda failure 2 'out of memory'"
-# (ncclUnhandledCudaError); ncclCalloc "Failed to malloc N bytes" (ncclSystemError) and
-# ncclCudaHostCalloc "Failed to CUDA host alloc N bytes" (pinned): host memory
-_NCCL_GPU = re.compile(r"Cuda failure (2 )?'out of memory'")
+# NCCL's own words for an allocation it could not make. torch's DistBackendError carries NCCL's last
+# WARN after "Last error:", and NCCL keeps one such text, each WARN overwriting it (src/debug.cc), so
+# it is the allocation helper's closing WARN where one ran (src/include/alloc.h: after the failing
+# CUDA call's "Cuda failure 2 'out of memory'", ncclCudaCalloc / ncclCudaCallocAsync / ncclCudaMalloc
+# warn "Failed to CUDA calloc [async] / malloc N bytes"), else the CUDA call's own: CUDACHECK "Cuda
+# failure 'out of memory'", CUCHECK "Cuda failure 2 'out of memory'", NVLS multicast buffers "... CUDA
+# error 2 'out of memory'". Host memory: ncclCalloc "Failed to malloc N bytes" (ncclSystemError) and
+# ncclCudaHostCalloc "Failed to CUDA host alloc N bytes" (pinned). All these texts are in the
+# libnccl.so.2 torch 2.14.1 ships (2.30.7). A failed CUDA call other than an allocation inside
+# ncclCudaCalloc (its memset, after an earlier sticky error) leaves the same closing WARN: the one case
+# read as out of memory that may not be.
+_NCCL_GPU = re.compile(r"Cuda failure (2 )?'out of memory'|Failed to CUDA (calloc|calloc async|malloc) \d+ bytes"
+                       r"|CUDA error 2 'out of memory'")
 _NCCL_HOST = re.compile(r"Failed to (malloc|CUDA host alloc) \d+ bytes")
+# any CUDA call torch checks, outside the caching allocator, that failed with cudaErrorMemoryAllocation:
+# C10_CUDA_CHECK (an AcceleratorError), cuSPARSE's check (which spells the status with
+# cusparseGetErrorString: "CUDA error: out of memory when calling `cusparseCreate(handle)`", a plain
+# RuntimeError) and the driver API's ("CUDA driver error: out of memory")
+_CUDA_OUT_OF_MEMORY = re.compile(r"\bCUDA (driver )?error: out of memory\b")
 # the CUDA math libraries' handles and workspaces are allocated outside the caching allocator; torch
 # raises their status as a RuntimeError ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
 # `cublasCreate(handle)`", "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED")
@@ -108,11 +121,17 @@ _LIBRARY = [
     (re.compile(r"\bCUBLAS_STATUS_ALLOC_FAILED\b"), "cuBLAS could not allocate GPU memory for its handle or "
                                                     "workspace"),
     (re.compile(r"\bCUSOLVER_STATUS_ALLOC_FAILED\b"), "cuSOLVER could not allocate GPU memory"),
-    (re.compile(r"\bCUSPARSE_STATUS_ALLOC_FAILED\b"), "cuSPARSE could not allocate GPU memory"),
     (re.compile(r"\bCUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED\b"), "cuDNN could not allocate GPU memory"),
     (re.compile(r"\bCUDNN_STATUS_(INTERNAL_ERROR_HOST_ALLOCATION_FAILED|ALLOC_FAILED)\b"),
      "cuDNN could not allocate memory"),
 ]
+# cuBLAS creating its handle with no GPU memory left mostly says NOT_INITIALIZED, not ALLOC_FAILED
+# (cublasCreate allocates before it can report the finer status); a broken CUDA context says the same,
+# so it is read as out of memory only when the device has next to nothing free at that moment
+_CUBLAS_CREATE_NOT_INITIALIZED = re.compile(r"CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate")
+NEARLY_FULL = 256 << 20  # bytes free on the device below which a failed cublasCreate is out of memory
+_GPU_OR_PINNED = ("a CUDA call outside the caching allocator ran out of memory (CUDA error: out of memory): GPU "
+                  "memory, or page-locked host memory where the call pins it (a DataLoader's pin_memory)")
 
 
 def out_of_memory_kind(exc: BaseException) -> Optional[str]:
@@ -126,7 +145,8 @@ def out_of_memory_kind(exc: BaseException) -> Optional[str]:
       `torch.distributed.DistBackendError` whose message carries NCCL's own "Cuda failure ... 'out of
       memory'" (GPU) or "Failed to malloc / CUDA host alloc N bytes" (host). Other NCCL failures (a
       timeout, a peer gone, a network error) are not out of memory.
-    - cuBLAS, cuSOLVER, cuSPARSE or cuDNN reporting an allocation failure (their handle or workspace)."""
+    - cuBLAS, cuSOLVER, cuSPARSE or cuDNN reporting an allocation failure (their handle or workspace);
+      cuBLAS failing to create its handle (NOT_INITIALIZED) with the device nearly full."""
     if isinstance(exc, MemoryError):
         return "host memory ran out (MemoryError)"
     if not isinstance(exc, RuntimeError):
@@ -142,8 +162,8 @@ def out_of_memory_kind(exc: BaseException) -> Optional[str]:
     if isinstance(exc, torch.OutOfMemoryError):
         return "the CUDA caching allocator ran out of GPU memory"
     if isinstance(exc, getattr(torch, "AcceleratorError", ())):  # torch 2.8+
-        if getattr(exc, "error_code", None) == CUDA_OUT_OF_MEMORY or "CUDA error: out of memory" in text:
-            return "a CUDA call outside the caching allocator ran out of GPU memory (CUDA error: out of memory)"
+        if getattr(exc, "error_code", None) == CUDA_OUT_OF_MEMORY or _CUDA_OUT_OF_MEMORY.search(text):
+            return _GPU_OR_PINNED
         return None
     if isinstance(exc, getattr(dist, "DistBackendError", ())):
         if _NCCL_GPU.search(text):
@@ -152,7 +172,22 @@ def out_of_memory_kind(exc: BaseException) -> Optional[str]:
         if _NCCL_HOST.search(text):
             return "NCCL communicator set-up ran out of host memory"
         return None
+    if _CUDA_OUT_OF_MEMORY.search(text):
+        return _GPU_OR_PINNED
+    if _CUBLAS_CREATE_NOT_INITIALIZED.search(text) and _device_nearly_full():
+        return "cuBLAS could not create its handle with the GPU nearly full (CUBLAS_STATUS_NOT_INITIALIZED)"
     return next((kind for pattern, kind in _LIBRARY if pattern.search(text)), None)
+
+
+def _device_nearly_full() -> bool:
+    """Whether this rank's GPU has less than NEARLY_FULL bytes free now (cudaMemGetInfo: the rank holds
+    a context already); False where that cannot be read (no CUDA, a broken context)."""
+    try:
+        import torch
+        free, _ = torch.cuda.mem_get_info()
+    except Exception:
+        return False
+    return free < NEARLY_FULL
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
