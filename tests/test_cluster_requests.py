@@ -3,8 +3,7 @@ step gets, and a Kubernetes pod's CPUs, memory, /dev/shm and RDMA devices (train
 
 In-process: `sbatch_script` and `trainkit k8s` through `trainkit.cli.main` (the command's own path: the
 recipe, the memory plan, the DataLoader's shared memory), the manifests checked against the Kubeflow CRDs.
-No SLURM here runs the script (the real-slurmd test, tests/test_cluster_slurm.py, binds no CPUs:
-`TaskPlugin=task/none`), so the step's CPUs are checked in the script's text.
+The step's CPUs inside a real job step: tests/test_cluster_slurm.py.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ import yaml
 
 from run_helpers import mlp_recipe
 from test_cluster_generators import validate
+
+from trainkit.doctor.resources import CUDA_PROCESS_HOST_BYTES
 
 GiB, MiB = 1 << 30, 1 << 20
 RDMA = "rdma/hca_shared_devices_a"
@@ -38,6 +39,29 @@ def test_the_slurm_step_gets_the_cpus_the_job_asked_for(tmp_path):
     assert "#SBATCH --cpus-per-task=10" in lines  # 2 ranks x (1 + 4 workers)
     srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert lines.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK") < srun
+    # the launcher divides the step's CPUs among the ranks (OMP_NUM_THREADS); the script must not give
+    # each rank all of them
+    assert not any("OMP_NUM_THREADS" in line for line in lines)
+
+
+def test_a_recipe_that_leaves_the_ranks_to_the_gpus_gets_a_cpu_per_rank_it_will_start(tmp_path, capsys):
+    """No launch.nproc_per_node: the launcher starts one rank per GPU, so 8 GPUs make 8 ranks, each with
+    its 2 DataLoader workers -- 24 CPUs, as `trainkit k8s` asks for the same recipe; and the job's
+    memory, the same figure as the pod's, is the script's --mem."""
+    from trainkit.cli import main
+
+    recipe = mlp_recipe(tmp_path, "by-gpus", launch={"backend": "nccl"}, data={"num_workers": 2})
+    text = yaml.safe_load(recipe.read_text())
+    del text["launch"]["nproc_per_node"]
+    recipe.write_text(yaml.safe_dump(text))
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", str(recipe), "--gpus-per-node", "8", "-o", str(script)]) == 0
+    lines = script.read_text().splitlines()
+    assert "#SBATCH --cpus-per-task=24" in lines and "#SBATCH --gpus-per-node=8" in lines
+    docs, code = k8s(tmp_path, recipe, "--gpus-per-node", "8")
+    resources = docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["resources"]
+    assert code == 0 and resources["requests"]["cpu"] == 24
+    assert f"#SBATCH --mem={int(resources['limits']['memory'].removesuffix('Gi')) * 1024}M" in lines
 
 
 def k8s(tmp_path, recipe: Path, *args: str) -> tuple[list[dict], int]:
@@ -68,9 +92,10 @@ def test_a_pod_asks_for_the_cpus_memory_and_shared_memory_its_ranks_and_workers_
     container = pod["containers"][0]
     host, parameters = plan_figures(recipe)
     # DDP builds the whole fp32 model on the host before moving it to the GPU, beside the rank's own process
-    assert host >= parameters * 4 + 560 * MiB
-    memory = f"{math.ceil(1.25 * (2 * host + 560 * MiB + 2 * GiB) / GiB)}Gi"
-    assert memory == "5Gi"  # docs/clusters.md's example
+    assert host >= parameters * 4 + CUDA_PROCESS_HOST_BYTES
+    # each of the 8 DataLoader workers holds memory of its own beside the rank's (LOADER_WORKER_BYTES)
+    memory = f"{math.ceil(1.25 * (2 * host + 8 * 256 * MiB + 560 * MiB + 2 * GiB) / GiB)}Gi"
+    assert memory == "11Gi"  # docs/clusters.md's example
     assert container["resources"] == {"requests": {"cpu": 10, "memory": memory},
                                       "limits": {"memory": memory, "nvidia.com/gpu": 2}}
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
@@ -101,7 +126,8 @@ def test_rdma_devices_are_requested_with_ipc_lock_for_either_api(tmp_path):
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
 
 
-@pytest.mark.parametrize("bad", ["kubernetes.io/rdma=1", "hca_shared_devices_a=1", f"{RDMA}=0", f"{RDMA}=two"])
+@pytest.mark.parametrize("bad", ["kubernetes.io/rdma=1", "hca_shared_devices_a=1", f"{RDMA}=0", f"{RDMA}=two",
+                                 "nvidia.com/gpu=1", "nvidia.com/mig-1g.10gb=1"])
 def test_an_rdma_resource_kubernetes_would_reject_is_refused(tmp_path, bad, capsys):
     recipe = mlp_recipe(tmp_path, "bad-rdma", launch={"backend": "nccl"})
     docs, code = k8s(tmp_path, recipe, "--rdma-resource", bad)
@@ -116,7 +142,7 @@ def test_without_a_plan_each_rank_counts_a_stated_default_and_a_cpu_pod_its_whol
 
     recipe = resolve(mlp_recipe(tmp_path, "cpu-pod", launch={"nproc_per_node": 2, "backend": "gloo"}, **IMAGES)).recipe
     default = node_resources(recipe, 2, host_per_rank=None, shm_need=None)
-    assert default.memory == math.ceil(1.25 * (2 * DEFAULT_HOST_PER_RANK + 560 * MiB + GiB) / GiB) * GiB
+    assert default.memory == math.ceil(1.25 * (2 * DEFAULT_HOST_PER_RANK + 8 * 256 * MiB + 560 * MiB + GiB) / GiB) * GiB
     assert default.shm == GiB and default.cpus == 10
     assert any("did not size this model" in n for n in default.notes)
     assert any("/dev/shm gets the 1 GiB minimum" in n for n in default.notes)

@@ -46,7 +46,7 @@ def slurm(tmp_path_factory):
         f"AuthInfo=socket={d}/munge.sock", "CredType=cred/munge", f"SlurmctldPort={_free_port()}",
         f"SlurmdPort={_free_port()}", f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid", f"SlurmctldLogFile={d}/slurmctld.log",
-        f"SlurmdLogFile={d}/slurmd.log", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        f"SlurmdLogFile={d}/slurmd.log", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/affinity",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "MpiDefault=none", "ReturnToService=2",
         "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
         "JobAcctGatherType=jobacct_gather/none", "SchedulerType=sched/builtin", "InactiveLimit=0", "KillWait=5",
@@ -90,16 +90,25 @@ def tempfile_dir(factory) -> str:
     return str(factory.mktemp("slurm"))
 
 
+# what the job step's process may run on, written before it becomes `trainkit run` (exec: the same process)
+STEP_CPUS = 'python3 -c "import os; print(len(os.sched_getaffinity(0)))" > "$0/step-cpus"; exec "$@"'
+
+
 def test_sbatch_script_runs_one_node_with_two_cpu_workers(tmp_path, slurm):
+    """The job asks for 2 CPUs (2 ranks, no DataLoader workers) and SLURM binds each step to its CPUs
+    (task/affinity, SLURM_CPU_BIND=cores as a site may set): the step that runs `trainkit run` gets both,
+    since the script passes --cpus-per-task on to srun (SRUN_CPUS_PER_TASK); without it Slurm 22.05+
+    gives the step one CPU, shared by both ranks."""
     from trainkit.cluster.slurm import sbatch_script
     from trainkit.recipe import resolve
 
     recipe = mlp_recipe(tmp_path, "slurm-job", launch={"nproc_per_node": 2, "run_dir": str(tmp_path / "runs"),
                                                        "timeout_s": 60})
     script = sbatch_script(resolve(recipe), str(recipe), ["trainer.max_steps=6"], time="5:00", gpus_per_node=0,
-                           trainkit=(sys.executable, "-m", "trainkit.cli"))
+                           trainkit=("sh", "-c", STEP_CPUS, str(tmp_path), sys.executable, "-m", "trainkit.cli"))
+    assert "#SBATCH --cpus-per-task=2" in script.splitlines()
     (tmp_path / "job.sbatch").write_text(script)
-    env = dict(env_for(tmp_path), **{k: v for k, v in slurm.items() if k == "SLURM_CONF"})
+    env = dict(env_for(tmp_path), SLURM_CPU_BIND="cores", **{k: v for k, v in slurm.items() if k == "SLURM_CONF"})
     done = subprocess.run(["sbatch", "--wait", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=180)
     logs = "\n".join(p.read_text() for p in tmp_path.rglob("*.log")) + "\n".join(
@@ -108,3 +117,4 @@ def test_sbatch_script_runs_one_node_with_two_cpu_workers(tmp_path, slurm):
     assert "SLURM step" in logs
     s = summary(tmp_path / "runs" / "slurm-job")
     assert s["world_size"] == 2 and s["steps"] == 6
+    assert (tmp_path / "step-cpus").read_text().strip() == "2", logs

@@ -678,7 +678,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     import shutil
     import subprocess
 
-    from .cluster.k8s import APIS, K8sError, check_names, pytorchjob, trainjob
+    from .cluster.k8s import APIS, K8sError, check_names, gpus_for, pytorchjob, trainjob
     from .cluster.node_resources import parse_rdma
     from .recipe import resolve
     from .recipe.problems import did_you_mean
@@ -703,7 +703,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     resolved = resolve(args.recipe, args.overrides)
     try:
-        resources = _pod_resources(resolved.recipe, args.gpus_per_node, rdma)
+        resources = _node_resources(resolved.recipe, gpus_for(resolved.recipe.launch, args.gpus_per_node), rdma)
         common = dict(image=args.image, namespace=args.namespace, gpus_per_node=args.gpus_per_node,
                       run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret, resources=resources)
         if args.api == "trainjob":
@@ -725,14 +725,14 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _pod_resources(recipe, gpus_per_node, rdma: dict):
-    """What each pod asks for (trainkit/cluster/node_resources.py): its CPUs, and memory and /dev/shm from the
-    memory plan's host memory per rank and the DataLoader's shared memory (doctor's estimates)."""
-    from .cluster.k8s import gpus_for, nproc_for
+def _node_resources(recipe, gpus: int, rdma: Optional[dict] = None):
+    """What each node (pod, SLURM node) asks for (trainkit/cluster/node_resources.py): its CPUs, and memory
+    and /dev/shm from the memory plan's host memory per rank and the DataLoader's shared memory (doctor's
+    estimates)."""
+    from .cluster.gpus import nproc_for
     from .cluster.node_resources import node_resources
     from .doctor.resources import host_memory_per_rank, shm_need
 
-    gpus = gpus_for(recipe.launch, gpus_per_node)
     nproc = nproc_for(recipe.launch, gpus)
     host = host_memory_per_rank(recipe, "cuda" if gpus else "cpu")
     shm = shm_need(recipe, nproc)
@@ -741,13 +741,16 @@ def _pod_resources(recipe, gpus_per_node, rdma: dict):
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
+    from .cluster.gpus import gpus_per_node
     from .cluster.slurm import SlurmError, sbatch_script
     from .recipe import resolve
 
     resolved = resolve(args.recipe, args.overrides)
     try:
+        gpus = gpus_per_node(resolved.recipe.launch, args.gpus_per_node, SlurmError)
         script = sbatch_script(resolved, args.recipe, args.overrides, partition=args.partition, time=args.time,
-                               gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task)
+                               gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+                               resources=_node_resources(resolved.recipe, gpus))
     except SlurmError as err:
         print(f"trainkit: {err}; nothing written", file=sys.stderr)
         return EXIT_INVALID

@@ -31,3 +31,9 @@ def gpus_per_node(launch, requested: Optional[int], error: type[Exception]) -> i
 def pinned_backend(launch, gpus: int) -> dict:
     """The launch keys a job that requests GPUs ships with: backend nccl where the recipe said auto."""
     return {"backend": "nccl"} if gpus and launch.backend == "auto" else {}
+
+
+def nproc_for(launch, gpus: int) -> int:
+    """Ranks per node (pod, SLURM node): launch.nproc_per_node when the recipe sets it, else one per GPU
+    (at least one), as the launcher starts them where it detects the GPUs."""
+    return launch.nproc_per_node if "nproc_per_node" in launch.model_fields_set else (gpus or 1)

@@ -179,7 +179,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
         "volumeMounts": [{"name": "recipe", "mountPath": RECIPES_MOUNT, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    resources = _resources(resolved.recipe, nproc_for(la, gpu_count), resources, notes)
+    resources = _resources(resolved.recipe, gpus.nproc_for(la, gpu_count), resources, notes)
     container["resources"] = resources.requirements(gpu_count)
     if resources.security_context():
         container["securityContext"] = resources.security_context()
@@ -195,7 +195,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "trainkit", "trainkit/job": job}},
                              "spec": {"containers": [copy.deepcopy(container)], "volumes": copy.deepcopy(volumes)}}}
 
-    spec: dict[str, Any] = {"nprocPerNode": str(nproc_for(la, gpu_count))}
+    spec: dict[str, Any] = {"nprocPerNode": str(gpus.nproc_for(la, gpu_count))}
     if isinstance(la.nnodes, str):  # MIN:MAX: elastic workers only; the operator names the c10d endpoint
         low, high = (int(x) for x in la.nnodes.split(":"))
         spec["elasticPolicy"] = {"minReplicas": low, "maxReplicas": high, "rdzvBackend": "c10d",
@@ -208,11 +208,6 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
     spec["runPolicy"] = {"cleanPodPolicy": "None"}
     job_doc = {"apiVersion": API_VERSION, "kind": "PyTorchJob", "metadata": _meta(job, namespace, job), "spec": spec}
     return Manifest([configmap, job_doc], job, notes)
-
-
-def nproc_for(la, gpu_count: int) -> int:
-    """Ranks per pod: launch.nproc_per_node when the recipe sets it, else one per GPU (at least one)."""
-    return la.nproc_per_node if "nproc_per_node" in la.model_fields_set else (gpu_count or 1)
 
 
 def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
@@ -253,7 +248,7 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
                        f"with --with-runtime to write a runtime that mounts another claim, or drop it")
     job = _job_name(recipe, notes)
     gpu_count = gpus_for(la, gpus_per_node)
-    nproc = nproc_for(la, gpu_count)
+    nproc = gpus.nproc_for(la, gpu_count)
     shared = trainkit_runtime or bool(run_dir_pvc)
     if trainkit_runtime:
         notes.append(f"the runtime {runtime!r} mounts the PersistentVolumeClaim {run_dir_pvc or RUN_DIR_CLAIM!r} "

@@ -4,10 +4,11 @@
 - /dev/shm: twice the DataLoader's shared memory (ranks x workers x prefetch x batch x sample bytes,
   the doctor's `/dev/shm` estimate, which warns under twice it), in whole GiB, at least 1 GiB (NCCL's
   intra-node transport uses it too).
-- Memory: `MEMORY_HEADROOM` x (ranks x the memory plan's host memory per rank + the launcher's process
-  + /dev/shm), in whole GiB, as request and limit. A memory-backed /dev/shm counts against the pod's
-  memory limit, so it is inside the figure. Without a plan (a model that does not build on the meta
-  device) each rank counts `DEFAULT_HOST_PER_RANK`, and the job's notes say so.
+- Memory: `MEMORY_HEADROOM` x (ranks x the memory plan's host memory per rank + ranks x workers x
+  `LOADER_WORKER_BYTES` + the launcher's process + /dev/shm), in whole GiB, as request and limit (a
+  Slurm job's `--mem`). A memory-backed /dev/shm counts against the pod's memory limit, so it is inside
+  the figure. Without a plan (a model that does not build on the meta device) each rank counts
+  `DEFAULT_HOST_PER_RANK`, and the job's notes say so.
 - RDMA: extended resources (`rdma/hca_shared_devices_a=1`) requested and limited as given, with the
   IPC_LOCK capability (pinning memory for the HCA).
 
@@ -24,11 +25,20 @@ from typing import Optional, Sequence
 
 from ..recipe.memory_plan import RUNTIME_BYTES
 
+MiB = 1 << 20
 GiB = 1 << 30
 SHM_MIN = GiB
 MEMORY_HEADROOM = 1.25  # the plan is within about 25% (docs/memory.md)
 LAUNCHER_BYTES = RUNTIME_BYTES["cpu"]  # `trainkit run` and torchrun's agent: one process with torch imported
 DEFAULT_HOST_PER_RANK = 4 * GiB  # a rank's host memory when the plan cannot say
+# A DataLoader worker's own memory: the pages it does not share with its rank. A forked worker shares
+# the rank's heap until it writes to it, and Python writes to every object it touches (reference
+# counts) and the garbage collector to every container's header, so over a long run a worker copies
+# what its collections touch. Measured (bench/loader_worker_memory.py, torch 2.14.1, ImageFolder,
+# 400-px JPEGs, batch 64, 224-px crops): 127-156 MiB private per worker after full collections, 16-35
+# MiB without. The batches it has ready are in /dev/shm, counted there; the dataset's index is packed
+# (runtime/packed_samples.py) so that it is not copied into each worker.
+LOADER_WORKER_BYTES = 256 * MiB
 IPC_LOCK = "IPC_LOCK"
 # an extended resource: a domain-prefixed name outside kubernetes.io (Kubernetes' qualified-name rule)
 _RESOURCE = re.compile(r"(?P<prefix>[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/"
@@ -45,9 +55,11 @@ def shm_size(need: Optional[int]) -> int:
     return max(SHM_MIN, _whole_gib(2 * need)) if need else SHM_MIN
 
 
-def memory_size(nproc: int, host_per_rank: int, shm: int) -> int:
-    """The pod's memory: `MEMORY_HEADROOM` x (ranks' host memory + the launcher + /dev/shm), whole GiB."""
-    return _whole_gib(MEMORY_HEADROOM * (nproc * host_per_rank + LAUNCHER_BYTES + shm))
+def memory_size(nproc: int, host_per_rank: int, shm: int, workers: int = 0) -> int:
+    """The node's memory: `MEMORY_HEADROOM` x (ranks' host memory + their DataLoader workers' + the
+    launcher + /dev/shm), whole GiB."""
+    loaders = nproc * max(0, workers) * LOADER_WORKER_BYTES
+    return _whole_gib(MEMORY_HEADROOM * (nproc * host_per_rank + loaders + LAUNCHER_BYTES + shm))
 
 
 def _whole_gib(n: float) -> int:
@@ -70,6 +82,10 @@ def parse_rdma(values: Sequence[str], error: type[Exception]) -> dict[str, int]:
             raise error(f"--rdma-resource {value!r}: the name must be an extended resource, DOMAIN/NAME outside "
                         f"kubernetes.io, as the device plugin advertises it (e.g. rdma/hca_shared_devices_a=1, "
                         f"nvidia.com/hostdev=1)")
+        if m["name"] == "gpu" or m["name"].startswith("mig-"):  # nvidia.com/gpu, amd.com/gpu, nvidia.com/mig-1g.10gb
+            raise error(f"--rdma-resource {value!r} names a GPU resource: the pod's GPUs come from --gpus-per-node "
+                        f"(a second, different count would make the pod's request and limit disagree, which "
+                        f"Kubernetes rejects)")
         if count and not (count.isdigit() and int(count) > 0):
             raise error(f"--rdma-resource {value!r}: the count must be a positive integer")
         out[name] = int(count) if count else 1
@@ -119,10 +135,11 @@ def node_resources(recipe, nproc: int, *, host_per_rank: Optional[int], shm_need
                      f"{SHM_MIN // GiB} GiB minimum; raise its sizeLimit if the DataLoader workers need more")
     workers = recipe.data.num_workers or 0
     cpus, shm = cpus_per_node(nproc, workers), shm_size(shm_need)
-    memory = memory_size(nproc, host_per_rank, shm)
+    memory = memory_size(nproc, host_per_rank, shm, workers)
+    loaders = f"{nproc * workers} DataLoader worker(s) x {_gib(LOADER_WORKER_BYTES)} + " if workers else ""
     how = (f"each node asks for cpu {cpus} = {nproc} rank(s) x (1 + {workers} DataLoader worker(s)); memory "
            f"{quantity(memory)} = {MEMORY_HEADROOM} x ({nproc} rank(s) x {_gib(host_per_rank)} ({host_how}) + "
-           f"{_gib(LAUNCHER_BYTES)} launcher + {_gib(shm)} /dev/shm); /dev/shm {quantity(shm)} (twice the "
+           f"{loaders}{_gib(LAUNCHER_BYTES)} launcher + {_gib(shm)} /dev/shm); /dev/shm {quantity(shm)} (twice the "
            f"DataLoader's {_gib(shm_need or 0)}, at least {quantity(SHM_MIN)})"
            + (f"; {', '.join(f'{k}: {v}' for k, v in (rdma or {}).items())} with {IPC_LOCK}" if rdma else ""))
     return NodeResources(cpus, memory, shm, dict(rdma or {}), tuple(notes), how)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from ..recipe.launch_plan import run_dir_for
 from ..run_dir import SLURM
 from . import gpus
-from .node_resources import cpus_per_node
+from .node_resources import NodeResources, cpus_per_node
 from .quoting import comment_text, shell_join, shell_word
 
 
@@ -30,8 +30,12 @@ def _directive_value(value: str, flag: str) -> str:
 
 def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, partition: Optional[str] = None,
                   time: Optional[str] = None, gpus_per_node: Optional[int] = None,
-                  cpus_per_task: Optional[int] = None, trainkit: Sequence[str] = ("trainkit",)) -> str:
-    """The script text. Raises SlurmError for GPUs on a gloo recipe or an elastic node count."""
+                  cpus_per_task: Optional[int] = None, resources: Optional[NodeResources] = None,
+                  trainkit: Sequence[str] = ("trainkit",)) -> str:
+    """The script text. Raises SlurmError for GPUs on a gloo recipe or an elastic node count.
+
+    `resources`: what a node needs (node_resources.py: CPUs, and the memory written as `--mem`); without
+    it the CPUs by the same rule and no `--mem` (the site's default)."""
     recipe = resolved.recipe
     la = recipe.launch
     if isinstance(la.nnodes, str):
@@ -39,16 +43,19 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
                          f"pass launch.nnodes=N")
     gpus_per_node = gpus.gpus_per_node(la, gpus_per_node, SlurmError)
     pinned = [f"launch.{k}={v}" for k, v in gpus.pinned_backend(la, gpus_per_node).items()]  # no CUDA: fail
-    if gpus_per_node and la.nproc_per_node > gpus_per_node:
-        raise SlurmError(f"launch.nproc_per_node {la.nproc_per_node} exceeds --gpus-per-node {gpus_per_node}")
+    nproc = gpus.nproc_for(la, gpus_per_node)  # the ranks the launcher starts on each node
+    if gpus_per_node and nproc > gpus_per_node:
+        raise SlurmError(f"launch.nproc_per_node {nproc} exceeds --gpus-per-node {gpus_per_node}")
     run_dir = run_dir_for(recipe)
     logs = run_dir / SLURM
-    cpus = cpus_per_task or cpus_per_node(la.nproc_per_node, recipe.data.num_workers)
+    cpus = cpus_per_task or (resources.cpus if resources else cpus_per_node(nproc, recipe.data.num_workers))
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={recipe.name}",
              f"#SBATCH --nodes={la.nnodes}",
              "#SBATCH --ntasks-per-node=1",
              f"#SBATCH --cpus-per-task={cpus}"]
+    if resources:
+        lines.append(f"#SBATCH --mem={resources.memory >> 20}M")
     if gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if partition:
@@ -65,7 +72,6 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
               "# continue a preempted job from its newest checkpoint. The run directory must be on shared storage.",
               "set -euo pipefail",
               f"mkdir -p {shell_word(str(logs))}",
-              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}",
               "# since Slurm 22.05 a job step does not inherit --cpus-per-task from the allocation: where CPUs",
               "# are bound it would get one, shared by the node's ranks and DataLoader workers",
               "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..recipe.launch_plan import run_dir_for
-from ..recipe.memory_plan import RUNTIME_BYTES, MemoryAdvice, MemoryPlan, fitting_changes, setting_of
+from ..recipe.memory_plan import MemoryAdvice, MemoryPlan, fitting_changes, setting_of
 from ..recipe.memory_mesh import mesh_alternatives
 from ..recipe.model_facts import builds_seeded
 from ..recipe.memory_plan import plan as plan_memory
@@ -326,11 +326,19 @@ def memory_verdict(recipe) -> Optional[MemoryVerdict]:
     return MemoryVerdict(planned, budget, how, sorted(advice, key=lambda a: (not a.fits, a.plan.per_rank)))
 
 
+# A CUDA rank's own process on the host: torch, and the CUDA driver's, runtime's and math libraries'
+# host allocations and code. An upper estimate, not measured here (no GPU): a CPU rank's process is 560
+# MiB (memory_plan.RUNTIME_BYTES), and CUDA's libraries add their mapped code (cuBLAS, cuDNN: hundreds of
+# MiB each, loaded lazily) and the context's pinned staging. The GPU tier checks it
+# (tests/test_gpu.py, test_a_cuda_ranks_host_memory_is_within_the_figure_jobs_ask_for).
+CUDA_PROCESS_HOST_BYTES = 2 << 30
+
+
 def host_memory_per_rank(recipe, device_type: str) -> Optional[tuple[int, str]]:
     """Host memory one rank of this recipe holds at its peak, from the memory plan, and how: on the CPU
     the plan's whole figure; on a GPU the plan's host parts (offloaded state, a staged checkpoint, the
     pipeline's whole-model build) plus the rank's process itself (the plan counts its CUDA context on
-    the device; on the host it is the CPU runtime figure, memory_plan.RUNTIME_BYTES) plus, where the
+    the device; on the host it is `CUDA_PROCESS_HOST_BYTES`) plus, where the
     rank builds the whole model on the host before moving it (`model.init` constructor), its fp32
     copy. None where the model does not build on the meta device."""
     from ..runtime.memory_trace import model_sizes
@@ -342,7 +350,7 @@ def host_memory_per_rank(recipe, device_type: str) -> Optional[tuple[int, str]]:
         return None
     if device_type == "cpu":
         return planned.per_rank, "the memory plan's figure per rank"
-    parts = [("the plan's host parts", planned.total("host")), ("the process", RUNTIME_BYTES["cpu"])]
+    parts = [("the plan's host parts", planned.total("host")), ("the process with CUDA", CUDA_PROCESS_HOST_BYTES)]
     built_on_host = not _built_sharded(recipe) and not any(p.name == "whole model at build" for p in planned.parts)
     if built_on_host:
         parts.append(("the model built on the host", sizes.parameters * 4))

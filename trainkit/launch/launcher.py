@@ -34,7 +34,7 @@ from .rank_values import environment_set, values_differing_by_rank
 from ..run_dir import (CHECKPOINTS, COMMAND, ENVIRONMENT, FAILURE, LAUNCHES, LOGS, RECIPE, RESOLVED_RECIPE,
                        LAUNCH_ID_VAR, TRACKING, clear_fatal, read_fatal, set_aside_path, training_finished,
                        write_json)
-from ..runtime import preflight
+from ..runtime import preflight, threads
 from ..runtime.accelerator import accelerator_for
 from ..tracking import run as tracking
 from ..tracking.delivery import BackgroundDelivery, deliver
@@ -355,7 +355,7 @@ def _free_port() -> int:
 def _run_in_process(run_dir: Path, launch_dir: Path, redact=str, delivering: bool = False) -> tuple[int, str]:
     """World size 1: the worker's own code, in this process, under the same env contract as torchrun;
     its intra-op threads leave the delivery thread (when `delivering`) a core (`runtime.threads`)."""
-    from ..runtime import stop_signals, threads, worker  # torch: imported where the work is
+    from ..runtime import stop_signals, worker  # torch: imported where the work is
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
@@ -384,8 +384,9 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // recipe.launch.nproc_per_node))
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead: the
+        # ones this process may run on (a Slurm step's, a container's), not the host's
+        os.environ["OMP_NUM_THREADS"] = str(max(1, threads.usable_cores() // recipe.launch.nproc_per_node))
     cmd = _torchrun_command(recipe, run_dir, rendezvous)
     # bounded by launch.join_timeout_s; without a trainkit-served rendezvous (None: torch's agent may host
     # the store itself, on this very node) there is nothing to wait for before torchrun
