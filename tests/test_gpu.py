@@ -404,3 +404,34 @@ def test_bf16_is_not_advised_on_a_gpu_that_only_emulates_it(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert describe_env("cuda", "nccl")["bf16"] is False
+
+
+CUDA_RANK_WORK = """
+import torch, torch.nn.functional as F
+x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+(x @ x).sum().item()  # cuBLAS
+img = torch.randn(8, 64, 56, 56, device="cuda", dtype=torch.bfloat16)
+F.conv2d(img, torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16), padding=1).sum().item()  # cuDNN
+torch.cuda.synchronize()
+with open("/proc/self/smaps_rollup") as f:
+    print({l.split(":")[0]: int(l.split()[1]) << 10 for l in f if l.startswith(("Rss:", "Pss:", "Private_Dirty:"))})
+"""
+
+
+@needs_cuda
+def test_a_cuda_ranks_host_memory_is_within_the_figure_jobs_ask_for():
+    """Issue 41, item 5 (written without a GPU at hand): the cluster writers count a CUDA rank's own process
+    on the host as CUDA_PROCESS_HOST_BYTES (2 GiB, an upper estimate). A process that has run cuBLAS and
+    cuDNN holds, on the host, its proportional share of pages (Pss: torch's and CUDA's libraries, the
+    context's host allocations) within that figure. The figures are printed for docs/clusters.md."""
+    import ast
+    import subprocess
+    import sys
+
+    from trainkit.doctor.resources import CUDA_PROCESS_HOST_BYTES
+
+    done = subprocess.run([sys.executable, "-c", CUDA_RANK_WORK], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    figures = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    print(f"a CUDA process's host memory: {({k: f'{v / 2**20:.0f} MiB' for k, v in figures.items()})}")
+    assert figures["Pss"] <= CUDA_PROCESS_HOST_BYTES, figures

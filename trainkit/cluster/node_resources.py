@@ -35,9 +35,9 @@ DEFAULT_HOST_PER_RANK = 4 * GiB  # a rank's host memory when the plan cannot say
 # the rank's heap until it writes to it, and Python writes to every object it touches (reference
 # counts) and the garbage collector to every container's header, so over a long run a worker copies
 # what its collections touch. Measured (bench/loader_worker_memory.py, torch 2.14.1, ImageFolder,
-# 400-px JPEGs, batch 64, 224-px crops): 127-156 MiB private per worker after full collections, 16-35
-# MiB without. The batches it has ready are in /dev/shm, counted there; the dataset's index is packed
-# (runtime/packed_samples.py) so that it is not copied into each worker.
+# 400-px JPEGs, batch 64, 224-px crops): 126-156 MiB of its own per worker after full collections,
+# 35-98 MiB without. The batches it has ready are in /dev/shm, counted there; the dataset's index is
+# packed (runtime/packed_samples.py) so that it is not copied into each worker.
 LOADER_WORKER_BYTES = 256 * MiB
 IPC_LOCK = "IPC_LOCK"
 # an extended resource: a domain-prefixed name outside kubernetes.io (Kubernetes' qualified-name rule)

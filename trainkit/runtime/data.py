@@ -23,6 +23,7 @@ from ..recipe.blocks import IMAGE_EXTENSIONS, Cifar10Data, DataOptions, ImageFol
 from . import progress_record
 from .device_decode import EncodedImageFolder, eval_resize
 from .loader_timing import TimedDataset, timed_collate
+from .packed_samples import PackedSamples
 from .readable_samples import first_readable
 from .parent_watch import die_with_parent
 
@@ -68,7 +69,8 @@ class ImageFolderDataset(Dataset):
 
     def __init__(self, root: Path, transform, on_corrupt: str):
         self.root, self.transform, self.on_corrupt = root, transform, on_corrupt
-        self.classes, self.samples = scan_imagefolder(root)
+        self.classes, samples = scan_imagefolder(root)
+        self.samples = PackedSamples(samples)  # not copied into each DataLoader worker
         if not self.samples:
             raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class>/")
 

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..recipe.blocks import IMAGE_EXTENSIONS, scan_imagefolder
+from .packed_samples import PackedSamples
 from .readable_samples import first_readable
 
 JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"  # start-of-scan and end-of-image markers
@@ -202,7 +203,8 @@ class EncodedImageFolder(Dataset):
     def __init__(self, root: Path, image_size: int, train: bool, on_corrupt: str, mean, std):
         self.root, self.image_size, self.train, self.on_corrupt = root, image_size, train, on_corrupt
         self.mean, self.std = mean, std
-        self.classes, self.samples = scan_imagefolder(root)
+        self.classes, samples = scan_imagefolder(root)
+        self.samples = PackedSamples(samples)  # not copied into each DataLoader worker
         if not self.samples:
             raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class>/")
 
@@ -214,7 +216,8 @@ class EncodedImageFolder(Dataset):
         from torchvision.transforms import RandomResizedCrop
 
         path, label = self.samples[i]
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:  # not Path(path): pathlib interns each part (see packed_samples.py)
+            data = f.read()
         with Image.open(path) as img:  # reads the header only: the size, for the crop box
             encoded = img.format == "JPEG"
             if encoded and not complete_jpeg(data):
