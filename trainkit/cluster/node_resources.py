@@ -44,6 +44,9 @@ IPC_LOCK = "IPC_LOCK"
 _RESOURCE = re.compile(r"(?P<prefix>[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/"
                        r"(?P<name>[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)")
 
+# a device plugin's GPUs: nvidia.com/gpu, amd.com/gpu, MIG slices (nvidia.com/mig-1g.10gb)
+_GPU_RESOURCE = re.compile(r"[^/]+/(gpu|mig-.+)")
+
 
 def cpus_per_node(nproc: int, num_workers: int) -> int:
     """One CPU per rank and one per DataLoader worker of each rank (at least one per rank)."""
@@ -82,7 +85,7 @@ def parse_rdma(values: Sequence[str], error: type[Exception]) -> dict[str, int]:
             raise error(f"--rdma-resource {value!r}: the name must be an extended resource, DOMAIN/NAME outside "
                         f"kubernetes.io, as the device plugin advertises it (e.g. rdma/hca_shared_devices_a=1, "
                         f"nvidia.com/hostdev=1)")
-        if m["name"] == "gpu" or m["name"].startswith("mig-"):  # nvidia.com/gpu, amd.com/gpu, nvidia.com/mig-1g.10gb
+        if _GPU_RESOURCE.fullmatch(name):
             raise error(f"--rdma-resource {value!r} names a GPU resource: the pod's GPUs come from --gpus-per-node "
                         f"(a second, different count would make the pod's request and limit disagree, which "
                         f"Kubernetes rejects)")
