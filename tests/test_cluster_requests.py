@@ -104,26 +104,46 @@ def test_a_pod_asks_for_the_cpus_memory_and_shared_memory_its_ranks_and_workers_
         capsys.readouterr().err
 
 
-def test_rdma_devices_are_requested_with_ipc_lock_for_either_api(tmp_path):
+def test_rdma_devices_are_requested_with_ipc_lock_and_their_network_for_either_api(tmp_path, capsys):
+    networks = {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net-a,infra/rdma-net-b"}}
     recipe = mlp_recipe(tmp_path, "rdma", launch={"nproc_per_node": 2, "backend": "nccl"}, **IMAGES)
-    docs, code = k8s(tmp_path, recipe, "--rdma-resource", f"{RDMA}=1")
+    docs, code = k8s(tmp_path, recipe, "--rdma-resource", f"{RDMA}=1", "--network", "rdma-net-a",
+                     "--network", "infra/rdma-net-b")
     assert code == 0
     validate(docs[1])
-    container = docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    template = docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    container = template["spec"]["containers"][0]
     resources = container["resources"]
     assert resources["requests"][RDMA] == resources["limits"][RDMA] == 1
     assert resources["requests"]["cpu"] == 10 and resources["limits"]["nvidia.com/gpu"] == 2
     assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert template["metadata"]["annotations"] == networks["annotations"]  # Multus attaches the RDMA network
 
-    docs, code = k8s(tmp_path, recipe, "--api", "trainjob", "--runtime", "torch-distributed", "--rdma-resource", RDMA)
+    docs, code = k8s(tmp_path, recipe, "--api", "trainjob", "--runtime", "torch-distributed", "--rdma-resource", RDMA,
+                     "--network", "rdma-net-a", "--network", "infra/rdma-net-b")
     assert code == 0
     job = docs[-1]
     validate(job)
     assert job["spec"]["trainer"]["resourcesPerNode"] == resources  # the same requests, for the TrainJob's nodes
-    pod = (job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
-           ["template"]["spec"]["template"]["spec"])
+    template = (job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+                ["template"]["spec"]["template"])
+    pod = template["spec"]
     assert pod["containers"][0]["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
+    assert template["metadata"] == networks
+    capsys.readouterr()
+
+    docs, code = k8s(tmp_path, recipe, "--rdma-resource", RDMA)  # without its network: said, not guessed
+    assert code == 0 and "metadata" not in docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert "annotations" not in docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"]
+    assert "RDMA devices without --network" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["RDMA_net", "a/b/c", "net-"])
+def test_a_network_kubernetes_could_not_name_is_refused(tmp_path, bad, capsys):
+    recipe = mlp_recipe(tmp_path, "bad-net", launch={"backend": "nccl"})
+    docs, code = k8s(tmp_path, recipe, "--network", bad)
+    assert code == 2 and not docs and f"--network {bad!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["kubernetes.io/rdma=1", "hca_shared_devices_a=1", f"{RDMA}=0", f"{RDMA}=two",

@@ -238,6 +238,9 @@ trainkit k8s recipes/resnet152.yaml --api trainjob --runtime torch-distributed -
     p.add_argument("--rdma-resource", action="append", default=[], metavar="NAME[=COUNT]",
                    help="an RDMA device plugin's resource per pod, e.g. rdma/hca_shared_devices_a=1 (repeatable): "
                         "requested and limited, with the IPC_LOCK capability")
+    p.add_argument("--network", action="append", default=[], metavar="NAME",
+                   help="a secondary network each pod attaches (Multus' k8s.v1.cni.cncf.io/networks annotation), e.g. "
+                        "the RDMA network your network operator defines (repeatable; NAMESPACE/NAME allowed)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the manifest here (default: stdout)")
     p.add_argument("--dry-run", action="store_true", help="print the manifest only, even with --apply")
     p.add_argument("--apply", action="store_true", help="kubectl apply it (needs kubectl on PATH)")
@@ -679,7 +682,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     import subprocess
 
     from .cluster.k8s import APIS, K8sError, check_names, gpus_for, pytorchjob, trainjob
-    from .cluster.node_resources import parse_rdma
+    from .cluster.node_resources import parse_networks, parse_rdma
     from .recipe import resolve
     from .recipe.problems import did_you_mean
 
@@ -695,6 +698,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         check_names(namespace=args.namespace, run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret,
                     runtime=args.runtime)
         rdma = parse_rdma(args.rdma_resource, K8sError)
+        networks = parse_networks(args.network, K8sError)
     except K8sError as err:
         print(f"trainkit: {err}; nothing written", file=sys.stderr)
         return EXIT_INVALID
@@ -703,7 +707,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     resolved = resolve(args.recipe, args.overrides)
     try:
-        resources = _node_resources(resolved.recipe, gpus_for(resolved.recipe.launch, args.gpus_per_node), rdma)
+        resources = _node_resources(resolved.recipe, gpus_for(resolved.recipe.launch, args.gpus_per_node), rdma,
+                                    networks)
         common = dict(image=args.image, namespace=args.namespace, gpus_per_node=args.gpus_per_node,
                       run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret, resources=resources)
         if args.api == "trainjob":
@@ -725,7 +730,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _node_resources(recipe, gpus: int, rdma: Optional[dict] = None):
+def _node_resources(recipe, gpus: int, rdma: Optional[dict] = None, networks: Sequence[str] = ()):
     """What each node (pod, SLURM node) asks for (trainkit/cluster/node_resources.py): its CPUs, and memory
     and /dev/shm from the memory plan's host memory per rank and the DataLoader's shared memory (doctor's
     estimates)."""
@@ -737,7 +742,7 @@ def _node_resources(recipe, gpus: int, rdma: Optional[dict] = None):
     host = host_memory_per_rank(recipe, "cuda" if gpus else "cpu")
     shm = shm_need(recipe, nproc)
     return node_resources(recipe, nproc, host_per_rank=host and host[0], shm_need=shm and shm[0], rdma=rdma,
-                          host_how=host[1] if host else "")
+                          host_how=host[1] if host else "", networks=networks)
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:

@@ -192,7 +192,8 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
 
     def replica(n: int) -> dict:
         return {"replicas": n, "restartPolicy": "OnFailure",
-                "template": {"metadata": {"labels": {"app.kubernetes.io/name": "trainkit", "trainkit/job": job}},
+                "template": {"metadata": {"labels": {"app.kubernetes.io/name": "trainkit", "trainkit/job": job},
+                                          **_annotations(resources)},
                              "spec": {"containers": [copy.deepcopy(container)], "volumes": copy.deepcopy(volumes)}}}
 
     spec: dict[str, Any] = {"nprocPerNode": str(gpus.nproc_for(la, gpu_count))}
@@ -278,7 +279,8 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
             mounts.append({"name": "runs", "mountPath": RUN_DIR_MOUNT})
             volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": run_dir_pvc}})
     patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
-        {"name": "node", "template": {"spec": {"template": {"spec": {
+        {"name": "node", "template": {"spec": {"template": {
+            **({"metadata": _annotations(resources)} if resources.networks else {}), "spec": {
             "containers": [{"name": "node", "volumeMounts": mounts,
                             **({"securityContext": resources.security_context()} if resources.rdma else {})}],
             "volumes": volumes}}}}}]}}}}
@@ -309,6 +311,12 @@ def training_runtime(*, image: str, name: str = TRAINKIT_RUNTIME, run_dir_pvc: O
                      "template": {"spec": {"replicatedJobs": [
                          {"name": "node", "template": {"metadata": {"labels": {ANCESTOR: "trainer"}},
                                                        "spec": {"template": {"spec": pod}}}}]}}}}
+
+
+def _annotations(resources: NodeResources) -> dict:
+    """A pod template's metadata entry for its annotations (the networks), or nothing."""
+    annotations = resources.pod_annotations()
+    return {"annotations": annotations} if annotations else {}
 
 
 def _resources(recipe, nproc: int, given: Optional[NodeResources], notes: list[str]) -> NodeResources:
