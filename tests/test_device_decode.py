@@ -117,3 +117,36 @@ def test_tune_tries_decoding_on_the_gpu_for_an_image_folder_on_cuda(tmp_path):
     assert "CUDA" in tune_knobs.not_applicable(knob, images, {"cuda": False})
     synthetic = resolve(str(mlp_recipe(tmp_path, "synthetic"))).recipe
     assert "decodes nothing" in tune_knobs.not_applicable(knob, synthetic, {"cuda": True})
+
+
+@pytest.mark.parametrize("failure", ["batched", "host-copy"])
+def test_the_device_running_out_of_memory_while_decoding_is_out_of_memory_not_an_unreadable_file(images, monkeypatch,
+                                                                                                   failure):
+    """torchvision's batched GPU decoder rewraps the allocator's out of memory as a plain RuntimeError; the
+    one-by-one retry and the host fallback must not turn it into "unreadable image <a good file>", which
+    the worker would not report as out of memory (no snapshot, no fatal marker: restarts repeat it).
+    The decoder is replaced here (no GPU): "batched" fails like torchvision's op does, "host-copy" lets the
+    decoder refuse the file and fails the host pixels' copy to the device."""
+    import torchvision.io
+
+    from trainkit.runtime import device_decode, memory_watch
+
+    wrapped = RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
+                           "has a total capacity of 79.19 GiB of which 1.50 MiB is free.")
+
+    def decoder(data, mode=None, device="cpu"):
+        raise wrapped if failure == "batched" else RuntimeError("Failed to decode batch: 6")
+
+    class Pixels:
+        def to(self, device):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", decoder)
+    monkeypatch.setattr(device_decode, "_host_pixels", lambda path: Pixels())
+    device = datasets(images, "train")["device"]
+    jpeg = next(i for i in range(len(device)) if str(device.samples[i][0]).endswith(".jpg"))
+    batch = device.collate([device[jpeg]])[0]
+    with pytest.raises(RuntimeError) as raised:
+        batch.to("cpu")
+    assert "unreadable image" not in str(raised.value)
+    assert memory_watch.is_out_of_memory(raised.value), raised.value

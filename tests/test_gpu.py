@@ -163,7 +163,7 @@ def test_jpegs_decoded_on_the_gpu_match_the_loaders_and_are_faster(tmp_path):
     root = make_imagefolder(tmp_path / "imgs", classes=4, per_class=64, size=256, seed=0)
     made = {d: build_imagefolder(ImageFolderData(name="imagefolder", root=str(root), batch_size=64, decode=d),
                                  split="train", seed=0) for d in ("loader", "device")}
-    jpegs = [i for i, (path, _) in enumerate(made["loader"].samples) if path.suffix == ".jpg"]
+    jpegs = [i for i, (path, _) in enumerate(made["loader"].samples) if str(path).endswith(".jpg")]
     torch.manual_seed(0)
     t0 = time.perf_counter()
     on_host = torch.stack([made["loader"][i][0] for i in jpegs])
@@ -182,6 +182,45 @@ def test_jpegs_decoded_on_the_gpu_match_the_loaders_and_are_faster(tmp_path):
           f"mean {apart.mean():.3f}, over 12: {(apart > 12).float().mean():.2%}, max {apart.max():.1f}")
     assert apart.mean() < 2.0 and (apart > 12).float().mean() < 0.01
     assert gpu_rate > host_rate
+
+
+@needs_cuda
+def test_a_jpeg_with_broken_scan_data_is_not_decoded_silently_on_the_gpu(tmp_path):
+    """(Written without a GPU at hand.) docs/performance.md's promise for `data.decode: device`: a JPEG whose
+    header and end marker read but whose scan data is broken is treated as the loader treats it -- named
+    when PIL refuses it, else decoded to PIL's pixels -- not turned into other pixels by nvJPEG without a
+    word (its batched call reports one status per batch; the hardware decoder of A100/H100/H200 decodes
+    baseline JPEGs). A batch of good JPEGs carries the broken one."""
+    import random
+
+    from trainkit.recipe.blocks import ImageFolderData
+    from trainkit.runtime.data import STD, build_imagefolder
+    from trainkit.runtime.imagefolder_maker import make_imagefolder
+
+    root = make_imagefolder(tmp_path / "imgs", classes=1, per_class=16, size=256, seed=3)
+    broken = sorted((root / "class_00").glob("*.jpg"))[0]
+    data = bytearray(broken.read_bytes())
+    scan = data.index(b"\xff\xda") + 20  # inside the scan, past its header; no 0xFF written: no marker made
+    rng = random.Random(0)
+    data[scan:scan + 400] = bytes(rng.randrange(0, 0xFF) for _ in range(400))
+    broken.write_bytes(bytes(data))
+    made = {d: build_imagefolder(ImageFolderData(name="imagefolder", root=str(root), val_root=str(root), batch_size=16,
+                                                 decode=d, image_size=224), split="eval", seed=0)
+            for d in ("loader", "device")}
+    files = [str(path) for path, _ in made["device"].samples]
+    jpegs = [i for i, f in enumerate(files) if f.endswith(".jpg")]
+    batch = made["device"].collate([made["device"][i] for i in jpegs])[0]
+    try:
+        host = made["loader"][files.index(str(broken))][0]
+    except Exception as refused:  # PIL refuses it: the device path must name it, not train on it
+        with pytest.raises(RuntimeError, match=f"unreadable image {broken}"):
+            batch.to("cuda")
+        print(f"broken JPEG: PIL refused it ({refused}); the device path named it")
+        return
+    on_gpu = batch.to("cuda")[jpegs.index(files.index(str(broken)))].cpu()
+    apart = ((on_gpu - host) * torch.tensor(STD).view(3, 1, 1) * 255).abs()
+    print(f"broken JPEG: PIL decoded it; the device's pixels are {apart.mean():.2f} levels from PIL's on average")
+    assert apart.mean() < 2.0, "nvJPEG decoded a broken JPEG to other pixels than PIL's, without an error"
 
 
 @needs_cuda

@@ -13,8 +13,10 @@ then differ only by the JPEG decoder and the resize kernel (tests/test_device_de
 Files that are not JPEGs (PNG, ...) are decoded (and a training crop cut) in the worker as before,
 and only resized, flipped and normalised on the device. `on_corrupt` is applied in the worker to files
 whose header cannot be read or whose JPEG data is truncated (no end-of-image marker after its last
-scan); a JPEG that passes both but whose data is broken is retried on the host with PIL, and stops the
-run naming the file if PIL cannot read it either (docs/performance.md).
+scan); a JPEG that passes both but whose data is broken, where the device's decoder notices, is retried
+on the host with PIL, and stops the run naming the file if PIL cannot read it either (docs/performance.md:
+nvJPEG's hardware decoder may not notice). A failure that is the device's (out of memory, a CUDA error)
+is raised as itself.
 
 Hand-written: torchvision gives the decoder and the functional transforms, not a loader that splits
 them between host and device (DALI does, but does not install here).
@@ -160,7 +162,8 @@ def _decode(images: list[EncodedImage], device: torch.device) -> list[torch.Tens
     if jpegs:
         try:
             decoded = decode_jpeg([images[i].data for i in jpegs], mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:  # one bad or unsupported file fails the batch: find it, decode the rest alone
+        except RuntimeError as exc:  # one bad or unsupported file fails the batch: find it, decode the rest alone
+            _raise_if_the_device_failed(exc)
             decoded = [_decode_one(images[i], device) for i in jpegs]
         for i, img in zip(jpegs, decoded):
             pixels[i] = img
@@ -172,14 +175,26 @@ def _decode_one(image: EncodedImage, device: torch.device) -> torch.Tensor:
 
     try:
         return decode_jpeg(image.data, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
-        pass
+    except RuntimeError as exc:
+        _raise_if_the_device_failed(exc)
     try:  # a JPEG variant the device's decoder refuses (e.g. CMYK), or a broken one: the host decodes it
-        return _host_pixels(image.path).to(device)
+        pixels = _host_pixels(image.path)
     except Exception as exc:  # PIL raises many types for bad files
         raise RuntimeError(f"unreadable image {image.path}: {type(exc).__name__}: {exc} (its header and "
                            "end marker read, so the loader could not skip it: remove the file, or use "
                            "data.decode: loader, which decodes in the loader and can skip it)") from None
+    return pixels.to(device)  # the device's own failure (out of memory) is not the file's
+
+
+def _raise_if_the_device_failed(exc: RuntimeError) -> None:
+    """Re-raise a decoder failure that is the device's, not a file's: out of memory (torchvision's batched
+    decoder rewraps the allocator's error as a plain RuntimeError, "Error while decoding JPEG images: CUDA
+    out of memory. ..."), or a CUDA error, which leaves the context unusable. Retrying image by image,
+    then on the host, would only name a good file as unreadable."""
+    from .memory_watch import is_out_of_memory
+
+    if is_out_of_memory(exc) or isinstance(exc, getattr(torch, "AcceleratorError", ())):
+        raise exc
 
 
 def _host_pixels(path: str) -> torch.Tensor:

@@ -114,6 +114,9 @@ _NCCL_HOST = re.compile(r"Failed to (malloc|CUDA host alloc) \d+ bytes")
 # cusparseGetErrorString: "CUDA error: out of memory when calling `cusparseCreate(handle)`", a plain
 # RuntimeError) and the driver API's ("CUDA driver error: out of memory")
 _CUDA_OUT_OF_MEMORY = re.compile(r"\bCUDA (driver )?error: out of memory\b")
+# the caching allocator's own message, rewrapped by a library into a plain RuntimeError (torchvision's
+# batched JPEG decoder: "Error while decoding JPEG images: CUDA out of memory. Tried to allocate ...")
+_ALLOCATOR_REWRAPPED = re.compile(r"\bCUDA out of memory\. Tried to allocate\b")
 # the CUDA math libraries' handles and workspaces are allocated outside the caching allocator; torch
 # raises their status as a RuntimeError ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
 # `cublasCreate(handle)`", "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED")
@@ -174,6 +177,8 @@ def out_of_memory_kind(exc: BaseException) -> Optional[str]:
         return None
     if _CUDA_OUT_OF_MEMORY.search(text):
         return _GPU_OR_PINNED
+    if _ALLOCATOR_REWRAPPED.search(text):
+        return "the CUDA caching allocator ran out of GPU memory (inside a library call, which rewrapped its error)"
     if _CUBLAS_CREATE_NOT_INITIALIZED.search(text) and _device_nearly_full():
         return "cuBLAS could not create its handle with the GPU nearly full (CUBLAS_STATUS_NOT_INITIALIZED)"
     return next((kind for pattern, kind in _LIBRARY if pattern.search(text)), None)
