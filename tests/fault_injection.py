@@ -422,24 +422,33 @@ def install_gpu_memory_probe(*, rank: int) -> list:
 
     import torch
 
-    def process_used() -> "int | None":
+    def process_used() -> "tuple[int | None, list[str]]":
+        """This process's memory on its own GPU per nvidia-smi (one line per GPU and pid: matched by the
+        GPU's UUID), and the other GPUs it holds a context on (a stray context is what the test catches)."""
+        own_gpu = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        used, elsewhere = None, []
         try:
-            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
             for line in out.splitlines():
-                pid, _, mib = line.partition(",")
-                if pid.strip() == str(os.getpid()):
-                    return int(mib) * 2**20
+                gpu, pid, mib = (field.strip() for field in line.split(","))
+                if pid != str(os.getpid()):
+                    continue
+                if gpu.removeprefix("GPU-") == own_gpu.removeprefix("GPU-"):
+                    used = int(mib) * 2**20
+                else:
+                    elsewhere.append(gpu)
         except (OSError, ValueError, subprocess.SubprocessError):  # no nvidia-smi, "[N/A]" (MIG): the device's figure
             pass
-        return None
+        return used, elsewhere
 
     def record(step: int) -> None:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
+        used, elsewhere = process_used()
         Path(folder, f"gpu-rank{rank}.json").write_text(json.dumps({
             "step": step, "reserved": torch.cuda.memory_reserved(), "device_used": total - free,
-            "process_used": process_used()}))
+            "process_used": used, "contexts_on_other_gpus": elsewhere}))
 
     return [record]
 

@@ -380,7 +380,7 @@ def test_what_a_rank_holds_outside_torchs_allocator_is_near_the_plans_runtime_an
         for rank in range(ranks):
             seen = json.loads((probe / f"gpu-rank{rank}.json").read_text())
             used = seen["process_used"] if seen["process_used"] is not None else seen["device_used"]
-            assert seen["step"] == 6, seen
+            assert seen["step"] == 6 and not seen["contexts_on_other_gpus"], seen  # no stray context
             held.append(used - seen["reserved"])
             print(f"{ranks} rank(s), rank {rank}: outside torch's allocator {held[-1] / 2**20:.0f} MiB {seen}")
         anything = ModelSizes(parameters=1, buffer_bytes=0, largest_unit=1, activation_bytes=None)
