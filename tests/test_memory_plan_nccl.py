@@ -1,7 +1,8 @@
 """The plan's NCCL buffers (issue 41, item 3): on CUDA with NCCL each process group of 2 or more ranks a rank
 belongs to holds a communicator with buffers of its own, outside torch's allocator; the plan counts them
 per communicator from the mesh. In-process: the arithmetic from resolved recipes. The figure per
-communicator is an estimate, to be checked against nvidia-smi on GPUs (tests/test_gpu.py)."""
+communicator is an estimate from NCCL 2.30.7's source (trainkit/recipe/nccl_memory.py), to be checked against
+nvidia-smi on GPUs (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ import pytest
 
 from lm_runs import tiny_lm
 from run_helpers import write_recipe
-from trainkit.recipe.memory_plan import NCCL_BYTES_PER_COMMUNICATOR, ModelSizes, plan, setting_of
+from trainkit.recipe.memory_plan import ModelSizes, plan, setting_of
+from trainkit.recipe.nccl_memory import Communicator, communicators_of_mesh
 from trainkit.recipe.resolver import resolve
 
 SIZES = ModelSizes(parameters=10_000_000, buffer_bytes=0, largest_unit=1_000_000, activation_bytes=50_000_000)
+
+
+def resolve_setting(tmp_path, device_type: str = "cuda"):
+    return setting_of(resolve(tmp_path / "nccl.yaml").recipe, device_type)
 
 
 def nccl_line(tmp_path, device_type: str = "cuda", **sections):
     path = write_recipe(tmp_path, "nccl", tiny_lm({"files": ["x.txt"], "tokenizer": "t.json"}), **sections)
     setting = setting_of(resolve(path).recipe, device_type)
     lines = [p for p in plan(SIZES, setting).parts if p.name == "NCCL buffers"]
-    return setting.nccl_communicators, (lines[0] if lines else None)
+    return tuple(c.name for c in setting.nccl_communicators), (lines[0] if lines else None)
 
 
 def test_each_group_of_the_mesh_holds_a_communicator_and_the_world_group_serves_whole_world_views(tmp_path):
@@ -28,9 +34,24 @@ def test_each_group_of_the_mesh_holds_a_communicator_and_the_world_group_serves_
     groups, line = nccl_line(tmp_path, strategy={"name": "fsdp"}, launch={"nproc_per_node": 8},
                              parallel={"dp_replicate": 2, "dp_shard": 2, "tp": 2})
     assert groups == ("world", "dp_replicate", "dp_shard", "tp", "dp (flattened)")
-    assert line.bytes == 5 * NCCL_BYTES_PER_COMMUNICATOR and line.where == "device"
-    assert "5 communicators (world, dp_replicate, dp_shard, tp, dp (flattened))" in line.how, line.how
-    assert 280 < NCCL_BYTES_PER_COMMUNICATOR / 2**20 < 300  # 16 channels x 2 peers x 9.19 MiB
+    assert line.where == "device" and line.bytes == sum(c.bytes for c in communicators_of_mesh(
+        {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, 8))
+    assert "5 communicators (world 775 MiB, dp_replicate 583 MiB, dp_shard 583 MiB, tp 583 MiB, dp (flattened) " \
+           "647 MiB;" in line.how, line.how
+
+
+def test_a_communicators_cost_follows_nccls_own_allocations():
+    """NCCL 2.30.7 on an 8-GPU NVSwitch node of H100/H200 (nccl_memory.py's sources): set-up 32 channels x 3 cuMem
+    allocations of 2 MiB + 5 MiB; a ring, 24 channels x (10 + 2) MiB; NVLS, 34 MiB + 32 MiB per rank of the
+    group on the node; a group across nodes, a tree's connections too."""
+    setup, ring = 5 + 32 * 6, 24 * 12
+    assert Communicator("world", 8, 8).bytes == (setup + ring + 34 + 8 * 32) << 20  # 775 MiB
+    assert Communicator("tp", 2, 2).bytes == (setup + ring + 34 + 2 * 32) << 20  # 583 MiB
+    assert Communicator("dp_replicate", 2, 1).bytes == (setup + 2 * ring) << 20  # one rank per node: no NVLS
+    # 16 ranks on two nodes, dp_shard 8 x tp 2: rank 0's dp_shard group has 4 ranks on its node
+    by_name = {c.name: c for c in communicators_of_mesh({"dp_shard": 8, "tp": 2}, 16, 8)}
+    assert (by_name["dp_shard"].ranks, by_name["dp_shard"].local_ranks) == (8, 4)
+    assert (by_name["tp"].ranks, by_name["tp"].local_ranks) == (2, 2)
 
 
 @pytest.mark.parametrize("sections, expected", [
@@ -42,7 +63,7 @@ def test_each_group_of_the_mesh_holds_a_communicator_and_the_world_group_serves_
 ])
 def test_a_dimension_of_every_rank_is_the_world_group(tmp_path, sections, expected):
     groups, line = nccl_line(tmp_path, **sections)
-    assert groups == expected and line.bytes == len(expected) * NCCL_BYTES_PER_COMMUNICATOR
+    assert groups == expected and line.bytes == sum(c.bytes for c in resolve_setting(tmp_path).nccl_communicators)
 
 
 @pytest.mark.parametrize("device_type, sections", [
@@ -61,7 +82,6 @@ def test_a_mesh_the_plan_proposes_is_planned_with_its_own_communicators(tmp_path
     from types import SimpleNamespace
 
     from trainkit.recipe.memory_mesh import mesh_alternatives
-    from trainkit.recipe.memory_plan import communicators_of_mesh
 
     path = write_recipe(tmp_path, "ddp8", tiny_lm({"files": ["x.txt"], "tokenizer": "t.json"}),
                         strategy={"name": "ddp"}, launch={"nproc_per_node": 8})
@@ -73,8 +93,8 @@ def test_a_mesh_the_plan_proposes_is_planned_with_its_own_communicators(tmp_path
     for a in advice:
         degrees = {k.split(".", 1)[1]: v for k, v in a.changes.items() if k.startswith("parallel.")}
         line = next(p for p in a.plan.parts if p.name == "NCCL buffers")
-        expected = communicators_of_mesh(degrees, 8)
-        assert line.bytes == len(expected) * NCCL_BYTES_PER_COMMUNICATOR, (degrees, line.how)
+        expected = communicators_of_mesh(degrees, 8, 8)
+        assert line.bytes == sum(c.bytes for c in expected), (degrees, line.how)
         counted.append(len(expected))
     assert advice and max(counted) > 1, [a.text for a in advice]
 
@@ -94,7 +114,6 @@ def test_the_groups_counted_are_the_groups_torch_makes_for_the_runs_mesh(degrees
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainkit.recipe.blocks.strategy import ParallelDims
-    from trainkit.recipe.memory_plan import communicators_of_mesh
     from trainkit.runtime.mesh import build_mesh
 
     dims = ParallelDims(**degrees)
@@ -110,5 +129,7 @@ def test_the_groups_counted_are_the_groups_torch_makes_for_the_runs_mesh(degrees
     finally:
         dist.destroy_process_group()
     made = [ranks for ranks in made if len(ranks) > 1]
-    counted = communicators_of_mesh(dims.degrees(), dims.world_size)
+    counted = communicators_of_mesh(dims.degrees(), dims.world_size, 4)  # as if 4 ranks a node
     assert len(made) == len(counted), (made, counted)
+    # each group's size and ranks on rank 0's node, as torch placed its ranks
+    assert sorted((len(r), sum(x < 4 for x in r)) for r in made) == sorted((c.ranks, c.local_ranks) for c in counted)

@@ -13,7 +13,8 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from .blocks.fsdp import FSDPOptions
-from .memory_plan import MemoryAdvice, ModelSizes, Setting, communicators_of_mesh, plan, split_by_tp
+from .memory_plan import MemoryAdvice, ModelSizes, Setting, plan, split_by_tp
+from .nccl_memory import communicators_of_mesh
 from .model_facts import facts_for
 
 
@@ -62,7 +63,8 @@ def mesh_alternatives(recipe: Any, sizes: ModelSizes, s: Setting, available: int
         accum = s.grad_accum_steps * dims.dp // dp if (s.grad_accum_steps * dims.dp) % dp == 0 else None
         if accum is None:
             continue
-        communicators = communicators_of_mesh(degrees, s.world_size) if s.nccl_communicators else ()
+        communicators = (communicators_of_mesh(degrees, s.world_size, s.ranks_per_node or s.world_size)
+                         if s.nccl_communicators else ())
         predicted = plan(sizes, replace(s, layout=layout, grad_accum_steps=accum, tensor_parallel=tp,
                                         nccl_communicators=communicators))
         if predicted.per_rank >= now:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from .nccl_memory import Communicator, communicators_of_mesh
+
 from .blocks.strategy import MemoryLayout
 
 MiB = 1 << 20
@@ -28,13 +30,6 @@ OPTIMIZER_TENSORS = {"adam": 2, "adamw": 2}  # fp32 state tensors per parameter 
 # a rank before its model: on the CPU measured (docs/benchmarks.md, "Memory plan"); on CUDA the context's
 # typical size (not measured on this project's machines yet)
 RUNTIME_BYTES = {"cpu": 560 * MiB, "cuda": 600 * MiB}
-# NCCL's buffers, per communicator on a rank, an estimate (docs/memory.md, "NCCL's buffers"): each connection
-# to a peer holds NCCL's three protocol buffers -- Simple 4 MiB (NCCL_BUFFSIZE), LL128 4.69 MiB and LL
-# 0.5 MiB (NCCL's DEFAULT_LL128_BUFFSIZE and DEFAULT_LL_BUFFSIZE) -- and each channel of a ring or tree
-# connects a rank to 2 peers; GPUs on NVLink run ~16 channels (PCIe fewer, NVLink SHARP more)
-NCCL_CONNECTION_BYTES = (4 << 20) + 4_915_200 + (512 << 10)
-NCCL_CHANNELS, NCCL_PEERS_PER_CHANNEL = 16, 2
-NCCL_BYTES_PER_COMMUNICATOR = NCCL_CHANNELS * NCCL_PEERS_PER_CHANNEL * NCCL_CONNECTION_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +73,8 @@ class Setting:
     device_type: str
     async_save: bool = False  # trainer.checkpoint.async_save: a staged host copy of the state while a save writes
     tensor_parallel: int = 1  # parallel.tp: the layout's divisors include it; a gathered unit is a 1/tp slice
-    nccl_communicators: tuple[str, ...] = ()  # the groups a rank holds an NCCL communicator for (`nccl_communicators`)
+    nccl_communicators: tuple[Communicator, ...] = ()  # the groups a rank holds an NCCL communicator for
+    ranks_per_node: int = 0  # launch.nproc_per_node: which of a group's ranks share a node (0: all of them)
 
 
 @dataclass(frozen=True)
@@ -142,30 +138,16 @@ def setting_of(recipe: Any, device_type: str) -> Setting:
                    activation_checkpointing=checkpoints_activations(recipe),
                    tensor_parallel=recipe.parallel_dims(ws).tp if recipe.parallel is not None else 1,
                    device_type=device_type, async_save=recipe.trainer.checkpoint.async_save,
-                   nccl_communicators=nccl_communicators(recipe, ws, device_type))
+                   nccl_communicators=nccl_communicators(recipe, ws, device_type),
+                   ranks_per_node=recipe.launch.nproc_per_node)
 
 
-def nccl_communicators(recipe: Any, world_size: int, device_type: str) -> tuple[str, ...]:
+def nccl_communicators(recipe: Any, world_size: int, device_type: str) -> tuple[Communicator, ...]:
     """The process groups of 2 or more ranks a rank of this recipe holds an NCCL communicator for
-    (`communicators_of_mesh`); none on the CPU, under gloo or on one GPU."""
+    (`nccl_memory.communicators_of_mesh`); none on the CPU, under gloo or on one GPU."""
     if device_type != "cuda" or world_size < 2 or recipe.launch.backend == "gloo":
         return ()
-    return communicators_of_mesh(recipe.parallel_dims(world_size).degrees(), world_size)
-
-
-def communicators_of_mesh(degrees: dict[str, int], world_size: int) -> tuple[str, ...]:
-    """A rank's NCCL communicators on a mesh of these degrees, each with buffers of its own: the world's,
-    each dimension's, and each flattened view's (runtime/mesh.py) -- a group of every rank is the
-    world's (DeviceMesh reuses it), while a flattened view is a group of its own even where its ranks are
-    one dimension's. An upper estimate: NCCL makes a group's communicator at its first collective, and a
-    strategy may never run one on some dimension."""
-    rep, shard, tp, pp = (degrees.get(d, 1) for d in ("dp_replicate", "dp_shard", "tp", "pp"))
-    sizes = {"pp": pp, "dp_replicate": rep, "dp_shard": shard, "tp": tp}
-    if tp > 1 or pp > 1:  # the ranks reading different batches, flattened: the loss and evaluation sums
-        sizes["dp (flattened)"] = rep * shard
-    if tp > 1:  # FSDP's dimensions and tp, flattened for a norm over both (strategies/fsdp.py, pipeline_sharded.py)
-        sizes["fsdp x tp (flattened)"] = (rep * shard if rep > 1 else shard) * tp
-    return ("world", *(name for name, size in sizes.items() if 1 < size < world_size))
+    return communicators_of_mesh(recipe.parallel_dims(world_size).degrees(), world_size, recipe.launch.nproc_per_node)
 
 
 def checkpoints_activations(recipe: Any) -> bool:
@@ -251,10 +233,10 @@ def plan(sizes: ModelSizes, s: Setting) -> MemoryPlan:
         parts.append(_staged_checkpoint(parts))
     if s.nccl_communicators:
         n = len(s.nccl_communicators)
-        parts.append(Part("NCCL buffers", n * NCCL_BYTES_PER_COMMUNICATOR, "device",
-                          f"{n} communicator{'s' if n > 1 else ''} ({', '.join(s.nccl_communicators)}) x "
-                          f"{NCCL_BYTES_PER_COMMUNICATOR / MiB:.0f} MiB ({NCCL_CHANNELS} channels x "
-                          f"{NCCL_PEERS_PER_CHANNEL} peers x {NCCL_CONNECTION_BYTES / MiB:.2f} MiB; an estimate)"))
+        each = ", ".join(f"{c.name} {c.bytes / MiB:.0f} MiB" for c in s.nccl_communicators)
+        parts.append(Part("NCCL buffers", sum(c.bytes for c in s.nccl_communicators), "device",
+                          f"{n} communicator{'s' if n > 1 else ''} ({each}; NCCL 2.30 on an NVSwitch node of "
+                          f"H100/H200 class, an upper estimate: far less on PCIe)"))
     parts.append(Part("runtime", RUNTIME_BYTES.get(s.device_type, RUNTIME_BYTES["cpu"]) + L.runtime_bytes,
                       "host" if s.device_type == "cpu" else "device",
                       "the process before the model (measured)" if s.device_type == "cpu" else
