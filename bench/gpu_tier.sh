@@ -4,7 +4,7 @@
 # stage's (a test failed or a stage ran out of time), 0 when every stage passed. On a GPU node with
 # trainkit installed:
 #
-#   bash bench/gpu_tier.sh OUT            # checks: tests, then nccl-timing and images (~6 min on one H200)
+#   bash bench/gpu_tier.sh OUT            # checks: tests, then nccl-timing and images (at most 7 min)
 #   bash bench/gpu_tier.sh OUT tests      # the GPU tests one device can run (~4 min)
 #   bash bench/gpu_tier.sh OUT speed      # bench/gpu_speed.py's speed and memory table (~5.5 min)
 #   bash bench/gpu_tier.sh OUT grid       # the grid on one device (~3 min), recorded as `gpu-1`
@@ -48,10 +48,10 @@ tests() {  # the GPU tests one device can run (the grid is its own stage)
     -k "not compatibility_grid"
 }
 nccl_timing() {  # TORCH_NCCL_ENABLE_TIMING=1 against 0, per collective
-  stage nccl_timing 120 "$PY" bench/nccl_timing_overhead.py --pairs 9
+  stage nccl_timing 60 "$PY" bench/nccl_timing_overhead.py --pairs 9
 }
 images() {  # data.decode: device against the loader's decoding, per part
-  stage image_decode 120 "$PY" bench/image_decode.py --device cuda --pairs 7 --images 256
+  stage image_decode 90 "$PY" bench/image_decode.py --device cuda --pairs 7 --images 256
 }
 case "$STAGE" in
   checks) tests; nccl_timing; images ;;

@@ -427,6 +427,8 @@ def install_gpu_memory_probe(*, rank: int) -> list:
         GPU's UUID), and the other GPUs it holds a context on (a stray context is what the test catches)."""
         own_gpu = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         used, elsewhere = None, []
+        if own_gpu.startswith("MIG"):  # nvidia-smi lists a MIG instance's processes under its parent GPU
+            return used, elsewhere
         try:
             out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout

@@ -168,3 +168,18 @@ def test_without_a_plan_each_rank_counts_a_stated_default_and_a_cpu_pod_its_whol
     assert any("/dev/shm gets the 1 GiB minimum" in n for n in default.notes)
     host, _ = host_memory_per_rank(recipe, "cpu")  # on a CPU node a rank's whole plan is host memory
     assert host == memory_verdict(recipe).plan.per_rank
+
+
+@pytest.mark.parametrize("mem, line", [("none", None), ("200G", "#SBATCH --mem=200G"), ("2t", "refused")])
+def test_the_slurm_memory_request_can_be_left_to_the_site_or_given(tmp_path, capsys, mem, line):
+    from trainkit.cli import main
+
+    recipe = mlp_recipe(tmp_path, "mem", launch={"nproc_per_node": 2, "backend": "gloo"})
+    script = tmp_path / "job.sbatch"
+    code = main(["slurm", str(recipe), "--mem", mem, "-o", str(script)])
+    if line == "refused":
+        assert code == 2 and not script.exists() and "--mem '2t'" in capsys.readouterr().err
+        return
+    lines = script.read_text().splitlines()
+    assert code == 0 and [x for x in lines if x.startswith("#SBATCH --mem")] == ([line] if line else [])
+    assert "memory" in capsys.readouterr().err  # how the node was sized, as `trainkit k8s` says it

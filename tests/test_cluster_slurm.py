@@ -50,7 +50,7 @@ def slurm(tmp_path_factory):
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "MpiDefault=none", "ReturnToService=2",
         "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
         "JobAcctGatherType=jobacct_gather/none", "SchedulerType=sched/builtin", "InactiveLimit=0", "KillWait=5",
-        f"NodeName={host} CPUs={os.cpu_count() or 2} State=UNKNOWN",
+        f"NodeName={host} CPUs={os.cpu_count() or 2} RealMemory={_memory_mib() * 9 // 10} State=UNKNOWN",
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
     env = dict(os.environ, SLURM_CONF=str(conf))
     procs = []
@@ -86,6 +86,12 @@ def slurm(tmp_path_factory):
                 pass
 
 
+def _memory_mib() -> int:
+    """This host's memory (slurmd refuses a node whose configured RealMemory is above it)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
+
+
 def tempfile_dir(factory) -> str:
     return str(factory.mktemp("slurm"))
 
@@ -99,14 +105,18 @@ def test_sbatch_script_runs_one_node_with_two_cpu_workers(tmp_path, slurm):
     (task/affinity, SLURM_CPU_BIND=cores as a site may set): the step that runs `trainkit run` gets both,
     since the script passes --cpus-per-task on to srun (SRUN_CPUS_PER_TASK); without it Slurm 22.05+
     gives the step one CPU, shared by both ranks."""
+    from trainkit.cli import _node_resources
     from trainkit.cluster.slurm import sbatch_script
     from trainkit.recipe import resolve
 
     recipe = mlp_recipe(tmp_path, "slurm-job", launch={"nproc_per_node": 2, "run_dir": str(tmp_path / "runs"),
                                                        "timeout_s": 60})
-    script = sbatch_script(resolve(recipe), str(recipe), ["trainer.max_steps=6"], time="5:00", gpus_per_node=0,
+    resolved = resolve(recipe)
+    script = sbatch_script(resolved, str(recipe), ["trainer.max_steps=6"], time="5:00", gpus_per_node=0,
+                           resources=_node_resources(resolved.recipe, 0),  # as `trainkit slurm` sizes it
                            trainkit=("sh", "-c", STEP_CPUS, str(tmp_path), sys.executable, "-m", "trainkit.cli"))
     assert "#SBATCH --cpus-per-task=2" in script.splitlines()
+    assert any(line.startswith("#SBATCH --mem=") for line in script.splitlines())  # slurmd accepts it
     (tmp_path / "job.sbatch").write_text(script)
     env = dict(env_for(tmp_path), SLURM_CPU_BIND="cores", **{k: v for k, v in slurm.items() if k == "SLURM_CONF"})
     done = subprocess.run(["sbatch", "--wait", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True,
@@ -118,3 +128,9 @@ def test_sbatch_script_runs_one_node_with_two_cpu_workers(tmp_path, slurm):
     s = summary(tmp_path / "runs" / "slurm-job")
     assert s["world_size"] == 2 and s["steps"] == 6
     assert (tmp_path / "step-cpus").read_text().strip() == "2", logs
+    # the control: a step in the same kind of allocation without SRUN_CPUS_PER_TASK gets one CPU here
+    # (binding is on), so the 2 above is the script's doing
+    control = subprocess.run(["salloc", "--cpus-per-task=2", "srun", sys.executable, "-c",
+                              "import os; print(len(os.sched_getaffinity(0)))"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert control.returncode == 0 and control.stdout.strip().splitlines()[-1] == "1", control

@@ -189,10 +189,9 @@ class FakeGpus:
         total, used = self.gpus[i]
         return total - used, total
 
-    def mem_get_info_elsewhere(self, i):  # the same, in a child process whose context ends with it
-        self.asked_elsewhere.append(i)
-        total, used = self.gpus[i]
-        return total - used, total
+    def mem_get_info_elsewhere(self, indices):  # the same, in one child process whose contexts end with it
+        self.asked_elsewhere.append(list(indices))
+        return {i: (self.gpus[i][0] - self.gpus[i][1], self.gpus[i][0]) for i in indices}
 
 
 @pytest.mark.parametrize("nvml", [True, False], ids=["nvml", "mem_get_info"])
@@ -209,7 +208,7 @@ def test_the_plans_cuda_budget_is_the_memory_free_at_launch_on_the_fullest_gpu(t
     assert verdict.budget_how == ("50.0 GiB free of 80.0 GiB on NVIDIA H100 80GB HBM3 (cuda:1, the least free of "
                                   "the 2 this node's ranks take)")
     assert gpus.asked_free == []  # the launcher makes no CUDA context of its own
-    assert gpus.asked_elsewhere == ([] if nvml else [0, 1])  # without NVML a child process asks CUDA
+    assert gpus.asked_elsewhere == ([] if nvml else [[0, 1]])  # without NVML one child process asks CUDA
 
 
 def test_on_a_gpu_split_into_mig_instances_nvmls_whole_gpu_figures_are_not_the_budget(tmp_path, monkeypatch):
@@ -227,7 +226,7 @@ def test_on_a_gpu_split_into_mig_instances_nvmls_whole_gpu_figures_are_not_the_b
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: f"handle{i}")
     monkeypatch.setattr(pynvml, "nvmlDeviceGetMigMode", lambda handle: (pynvml.NVML_DEVICE_MIG_ENABLE, 1))
     recipe = resolve(mlp_recipe(tmp_path, "mig", launch={"nproc_per_node": 1, "backend": "nccl"})).recipe
-    assert memory_verdict(recipe).budget == 18 * GiB and gpus.asked_elsewhere == [0] and gpus.asked_free == []
+    assert memory_verdict(recipe).budget == 18 * GiB and gpus.asked_elsewhere == [[0]] and gpus.asked_free == []
 
 
 @pytest.mark.slow
@@ -238,7 +237,7 @@ def test_where_no_process_can_read_the_free_memory_the_budget_is_the_total_said_
 
     FakeGpus(monkeypatch, [(80 * GiB, 10 * GiB)], nvml=False)
     monkeypatch.setattr(resources, "mem_get_info_in_a_process_of_its_own", REAL_MEM_GET_INFO_ELSEWHERE)
-    assert resources.mem_get_info_in_a_process_of_its_own(0) is None
+    assert resources.mem_get_info_in_a_process_of_its_own([0]) == {}
     budget, how = resources.cuda_budget(1)
     assert budget == 80 * GiB and how == "80.0 GiB on NVIDIA H100 80GB HBM3 (free memory unknown)"
 
@@ -264,3 +263,24 @@ def test_cublas_failing_to_create_its_handle_is_out_of_memory_only_with_the_gpu_
     assert (kind is not None) == out_of_memory
     if out_of_memory:
         assert kind.startswith("cuBLAS could not create its handle with the GPU nearly full")
+
+
+def test_a_recipe_that_fits_but_for_the_plans_nccl_upper_estimate_is_warned_not_refused(tmp_path, monkeypatch):
+    """NCCL's line is an NVSwitch node's cost (docs/memory.md): on a GPU with less free memory than the plan
+    but more than the plan without that line, the doctor warns (naming NCCL's variables) instead of
+    refusing the run; with less than that it refuses as before."""
+    from trainkit.doctor.resources import memory, memory_verdict
+    from trainkit.recipe import resolve
+
+    resolved = resolve(mlp_recipe(tmp_path, "nccl-tight", launch={"nproc_per_node": 2, "backend": "nccl"}))
+    total = 80 * GiB
+    FakeGpus(monkeypatch, [(total, 0), (total, 0)])
+    plan = memory_verdict(resolved.recipe).plan
+    nccl = sum(p.bytes for p in plan.parts if p.name == "NCCL buffers")
+    assert nccl > 0
+    FakeGpus(monkeypatch, [(total, total - (plan.per_rank - nccl // 2))] * 2)
+    check = memory(resolved)
+    assert check.status == "warn" and "it fits without the plan's NCCL buffers" in check.detail, check
+    assert "NCCL_NVLS_ENABLE=0" in check.fix
+    FakeGpus(monkeypatch, [(total, total - (plan.per_rank - nccl - GiB))] * 2)
+    assert memory(resolved).status == "fail"

@@ -45,9 +45,15 @@ def test_a_communicators_cost_follows_nccls_own_allocations():
     allocations of 2 MiB + 5 MiB; a ring, 24 channels x (10 + 2) MiB; NVLS, 34 MiB + 32 MiB per rank of the
     group on the node; a group across nodes, a tree's connections too."""
     setup, ring = 5 + 32 * 6, 24 * 12
-    assert Communicator("world", 8, 8).bytes == (setup + ring + 34 + 8 * 32) << 20  # 775 MiB
-    assert Communicator("tp", 2, 2).bytes == (setup + ring + 34 + 2 * 32) << 20  # 583 MiB
-    assert Communicator("dp_replicate", 2, 1).bytes == (setup + 2 * ring) << 20  # one rank per node: no NVLS
+    assert Communicator("world", 8, 8).bytes_under({}) == (setup + ring + 34 + 8 * 32) << 20  # 775 MiB
+    assert Communicator("tp", 2, 2).bytes_under({}) == (setup + ring + 34 + 2 * 32) << 20  # 583 MiB
+    assert Communicator("dp_replicate", 2, 1).bytes_under({}) == (setup + 2 * ring) << 20  # one rank per node: no NVLS
+    # NCCL's own variables, as the workers inherit them from the launcher
+    world = Communicator("world", 8, 8)
+    assert world.bytes_under({"NCCL_NVLS_ENABLE": "0"}) == (setup + ring) << 20
+    assert world.bytes_under({"NCCL_MAX_NCHANNELS": "4"}) == (5 + 4 * 6 + 4 * 12 + 34 + 8 * 32) << 20
+    assert world.bytes_under({"NCCL_BUFFSIZE": str(8 << 20)}) == (setup + 24 * (14 + 2) + 34 + 8 * 32) << 20
+    assert world.bytes_under({"NCCL_MAX_NCHANNELS": "many"}) == world.bytes_under({})
     # 16 ranks on two nodes, dp_shard 8 x tp 2: rank 0's dp_shard group has 4 ranks on its node
     by_name = {c.name: c for c in communicators_of_mesh({"dp_shard": 8, "tp": 2}, 16, 8)}
     assert (by_name["dp_shard"].ranks, by_name["dp_shard"].local_ranks) == (8, 4)

@@ -74,3 +74,13 @@ def test_the_users_omp_num_threads_is_kept(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     with threads.sharing_the_launcher_process(delivering=False) as changed:
         assert changed is None and torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("affinity, ranks, expected", [(range(64), 8, 8), (range(2), 8, 1), (range(3), 2, 1)])
+def test_workers_share_the_cores_this_process_may_run_on_not_the_hosts(monkeypatch, affinity, ranks, expected):
+    """Under Slurm the step may run on fewer cores than the host has (its CPUs bound): the launcher's
+    OMP_NUM_THREADS for its ranks divides those (the script no longer sets it to every CPU per rank).
+    In-process: the file's mark says slow for its launches; this one starts nothing."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(affinity))
+    monkeypatch.setattr(os, "cpu_count", lambda: 256)
+    assert threads.per_rank(ranks) == expected

@@ -261,6 +261,9 @@ sbatch train.sbatch""")
     p.add_argument("--time", help="#SBATCH --time, e.g. 24:00:00")
     p.add_argument("--gpus-per-node", type=int, help="#SBATCH --gpus-per-node, 0 for CPU nodes (default: nproc_per_node with nccl, none with gloo; required with backend auto)")
     p.add_argument("--cpus-per-task", type=int, help="#SBATCH --cpus-per-task")
+    p.add_argument("--mem", default="auto", metavar="auto|none|SIZE",
+                   help="#SBATCH --mem: auto (default) the node's need from the memory plan (docs/clusters.md), "
+                        "none to leave it to the site's default, or a size such as 200G")
     p.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
     p.set_defaults(func=cmd_slurm)
 
@@ -681,8 +684,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     import shutil
     import subprocess
 
-    from .cluster.k8s import APIS, K8sError, check_names, gpus_for, pytorchjob, trainjob
-    from .cluster.node_resources import parse_networks, parse_rdma
+    from .cluster.k8s import APIS, K8sError, check_names, check_networks, gpus_for, pytorchjob, trainjob
+    from .cluster.node_resources import parse_rdma
     from .recipe import resolve
     from .recipe.problems import did_you_mean
 
@@ -698,7 +701,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         check_names(namespace=args.namespace, run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret,
                     runtime=args.runtime)
         rdma = parse_rdma(args.rdma_resource, K8sError)
-        networks = parse_networks(args.network, K8sError)
+        check_networks(args.network)
     except K8sError as err:
         print(f"trainkit: {err}; nothing written", file=sys.stderr)
         return EXIT_INVALID
@@ -707,10 +710,10 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     resolved = resolve(args.recipe, args.overrides)
     try:
-        resources = _node_resources(resolved.recipe, gpus_for(resolved.recipe.launch, args.gpus_per_node), rdma,
-                                    networks)
+        resources = _node_resources(resolved.recipe, gpus_for(resolved.recipe.launch, args.gpus_per_node), rdma)
         common = dict(image=args.image, namespace=args.namespace, gpus_per_node=args.gpus_per_node,
-                      run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret, resources=resources)
+                      run_dir_pvc=args.run_dir_pvc, mlflow_secret=args.mlflow_secret, resources=resources,
+                      networks=args.network)
         if args.api == "trainjob":
             manifest = trainjob(resolved, args.recipe, runtime=args.runtime, with_runtime=args.with_runtime, **common)
         else:
@@ -730,7 +733,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _node_resources(recipe, gpus: int, rdma: Optional[dict] = None, networks: Sequence[str] = ()):
+def _node_resources(recipe, gpus: int, rdma: Optional[dict] = None):
     """What each node (pod, SLURM node) asks for (trainkit/cluster/node_resources.py): its CPUs, and memory
     and /dev/shm from the memory plan's host memory per rank and the DataLoader's shared memory (doctor's
     estimates)."""
@@ -742,7 +745,7 @@ def _node_resources(recipe, gpus: int, rdma: Optional[dict] = None, networks: Se
     host = host_memory_per_rank(recipe, "cuda" if gpus else "cpu")
     shm = shm_need(recipe, nproc)
     return node_resources(recipe, nproc, host_per_rank=host and host[0], shm_need=shm and shm[0], rdma=rdma,
-                          host_how=host[1] if host else "", networks=networks)
+                          host_how=host[1] if host else "")
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
@@ -753,12 +756,15 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     resolved = resolve(args.recipe, args.overrides)
     try:
         gpus = gpus_per_node(resolved.recipe.launch, args.gpus_per_node, SlurmError)
+        resources = _node_resources(resolved.recipe, gpus)
         script = sbatch_script(resolved, args.recipe, args.overrides, partition=args.partition, time=args.time,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
-                               resources=_node_resources(resolved.recipe, gpus))
+                               resources=resources, mem=args.mem)
     except SlurmError as err:
         print(f"trainkit: {err}; nothing written", file=sys.stderr)
         return EXIT_INVALID
+    for note in (*resources.notes, resources.how):
+        print(f"trainkit: note: {note}", file=sys.stderr)
     _write_or_print(script, args.output)
     return EXIT_OK
 

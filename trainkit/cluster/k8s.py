@@ -17,7 +17,7 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -154,10 +154,13 @@ _NO_SHARED_STORAGE = ("no --run-dir-pvc: each pod keeps its own run directory (c
 
 def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
                gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
-               mlflow_secret: str = "mlflow-credentials", resources: Optional[NodeResources] = None) -> Manifest:
+               mlflow_secret: str = "mlflow-credentials", resources: Optional[NodeResources] = None,
+               networks: Sequence[str] = ()) -> Manifest:
     """The ConfigMap and the PyTorchJob that run this recipe on its launch.nnodes pods; each pod asks for
-    `resources` (cluster/node_resources.py; None: its rules without a memory plan)."""
+    `resources` (cluster/node_resources.py; None: its rules without a memory plan) and attaches the
+    secondary `networks` (Multus)."""
     check_names(namespace=namespace, run_dir_pvc=run_dir_pvc, mlflow_secret=mlflow_secret)
+    check_networks(networks)
     recipe = resolved.recipe
     la = recipe.launch
     notes: list[str] = []
@@ -180,6 +183,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
     resources = _resources(resolved.recipe, gpus.nproc_for(la, gpu_count), resources, notes)
+    _network_notes(resources, networks, notes)
     container["resources"] = resources.requirements(gpu_count)
     if resources.security_context():
         container["securityContext"] = resources.security_context()
@@ -193,7 +197,7 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
     def replica(n: int) -> dict:
         return {"replicas": n, "restartPolicy": "OnFailure",
                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "trainkit", "trainkit/job": job},
-                                          **_annotations(resources)},
+                                          **_annotations(networks)},
                              "spec": {"containers": [copy.deepcopy(container)], "volumes": copy.deepcopy(volumes)}}}
 
     spec: dict[str, Any] = {"nprocPerNode": str(gpus.nproc_for(la, gpu_count))}
@@ -214,7 +218,8 @@ def pytorchjob(resolved, recipe_path: str, *, image: str, namespace: Optional[st
 def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str] = None,
              gpus_per_node: Optional[int] = None, run_dir_pvc: Optional[str] = None,
              mlflow_secret: str = "mlflow-credentials", runtime: Optional[str] = None,
-             with_runtime: bool = False, resources: Optional[NodeResources] = None) -> Manifest:
+             with_runtime: bool = False, resources: Optional[NodeResources] = None,
+             networks: Sequence[str] = ()) -> Manifest:
     """The ConfigMap and the Kubeflow Trainer v2 TrainJob that run this recipe on launch.nnodes nodes, and with
     `with_runtime` trainkit's ClusterTrainingRuntime first.
 
@@ -264,7 +269,9 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
         update["run_dir"] = RUN_DIR_MOUNT
     configmap = _recipe_configmap(resolved, recipe_path, job, namespace, tracking, update)
 
+    check_networks(networks)
     resources = _resources(recipe, nproc, resources, notes)
+    _network_notes(resources, networks, notes)
     trainer: dict[str, Any] = {"image": image, "command": ["trainkit", "run", f"{RECIPES_MOUNT}/{Path(recipe_path).name}"],
                                "numNodes": la.nnodes, "numProcPerNode": nproc,
                                "resourcesPerNode": resources.requirements(gpu_count)}
@@ -280,7 +287,7 @@ def trainjob(resolved, recipe_path: str, *, image: str, namespace: Optional[str]
             volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": run_dir_pvc}})
     patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": "node", "template": {"spec": {"template": {
-            **({"metadata": _annotations(resources)} if resources.networks else {}), "spec": {
+            **({"metadata": _annotations(networks)} if networks else {}), "spec": {
             "containers": [{"name": "node", "volumeMounts": mounts,
                             **({"securityContext": resources.security_context()} if resources.rdma else {})}],
             "volumes": volumes}}}}}]}}}}
@@ -313,10 +320,31 @@ def training_runtime(*, image: str, name: str = TRAINKIT_RUNTIME, run_dir_pvc: O
                                                        "spec": {"template": {"spec": pod}}}}]}}}}
 
 
-def _annotations(resources: NodeResources) -> dict:
-    """A pod template's metadata entry for its annotations (the networks), or nothing."""
-    annotations = resources.pod_annotations()
-    return {"annotations": annotations} if annotations else {}
+NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"  # Multus: the pod's secondary networks, comma-separated
+# a NetworkAttachmentDefinition's name, optionally NAMESPACE/NAME (DNS-1123 label / subdomain)
+_NETWORK = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_RDMA_WITHOUT_NETWORK = ("RDMA devices without --network: where your device plugin shares the HCA through a "
+                         "secondary network (Multus), name it with --network NAME, or NCCL may find no RDMA device "
+                         "in the pod and fall back to sockets (NCCL_DEBUG=INFO says NET/Socket)")
+
+
+def check_networks(networks: Sequence[str]) -> None:
+    """Refuse a `--network` Kubernetes could not hold (K8sError): a NetworkAttachmentDefinition's name,
+    NAMESPACE/NAME allowed."""
+    for value in networks:
+        if len(value) > 253 or not _NETWORK.fullmatch(value):
+            raise K8sError(f"--network {value!r}: a network is a NetworkAttachmentDefinition's name (lowercase "
+                           f"letters, digits, '-' and '.'), optionally NAMESPACE/NAME, e.g. rdma-net-a")
+
+
+def _annotations(networks: Sequence[str]) -> dict:
+    """A pod template's metadata entry for its annotations (the secondary networks it attaches), or nothing."""
+    return {"annotations": {NETWORKS_ANNOTATION: ",".join(networks)}} if networks else {}
+
+
+def _network_notes(resources: NodeResources, networks: Sequence[str], notes: list[str]) -> None:
+    if resources.rdma and not networks:
+        notes.append(_RDMA_WITHOUT_NETWORK)
 
 
 def _resources(recipe, nproc: int, given: Optional[NodeResources], notes: list[str]) -> NodeResources:

@@ -10,8 +10,7 @@
   the figure. Without a plan (a model that does not build on the meta device) each rank counts
   `DEFAULT_HOST_PER_RANK`, and the job's notes say so.
 - RDMA: extended resources (`rdma/hca_shared_devices_a=1`) requested and limited as given, with the
-  IPC_LOCK capability (pinning memory for the HCA); the secondary networks the pod attaches (Multus'
-  `k8s.v1.cni.cncf.io/networks` annotation), where the RDMA devices come with one.
+  IPC_LOCK capability (pinning memory for the HCA).
 
 The host memory per rank and the shared-memory need come from the caller (the memory plan and the
 doctor's estimate need torch, which this layer does not import).
@@ -41,9 +40,6 @@ DEFAULT_HOST_PER_RANK = 4 * GiB  # a rank's host memory when the plan cannot say
 # packed (runtime/packed_samples.py) so that it is not copied into each worker.
 LOADER_WORKER_BYTES = 256 * MiB
 IPC_LOCK = "IPC_LOCK"
-NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"  # Multus: the pod's secondary networks, comma-separated
-# a NetworkAttachmentDefinition's name, optionally NAMESPACE/NAME (DNS-1123 label / subdomain)
-_NETWORK = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # an extended resource: a domain-prefixed name outside kubernetes.io (Kubernetes' qualified-name rule)
 _RESOURCE = re.compile(r"(?P<prefix>[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/"
                        r"(?P<name>[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)")
@@ -99,20 +95,9 @@ def parse_rdma(values: Sequence[str], error: type[Exception]) -> dict[str, int]:
     return out
 
 
-def parse_networks(values: Sequence[str], error: type[Exception]) -> tuple[str, ...]:
-    """`--network NAME` values (NetworkAttachmentDefinition names, NAMESPACE/NAME allowed); `error` for a
-    name Kubernetes could not hold."""
-    for value in values:
-        if len(value) > 253 or not _NETWORK.fullmatch(value):
-            raise error(f"--network {value!r}: a network is a NetworkAttachmentDefinition's name (lowercase "
-                        f"letters, digits, '-' and '.'), optionally NAMESPACE/NAME, e.g. rdma-net-a")
-    return tuple(values)
-
-
 @dataclass(frozen=True)
 class NodeResources:
-    """One node's (pod's) requests: CPUs, memory (request and limit), /dev/shm's size, RDMA devices and
-    the networks they come with."""
+    """One node's (pod's) requests: CPUs, memory (request and limit), /dev/shm's size, RDMA devices."""
 
     cpus: int
     memory: int
@@ -120,7 +105,6 @@ class NodeResources:
     rdma: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     how: str = ""
-    networks: tuple[str, ...] = ()
 
     def requirements(self, gpus: int) -> dict:
         """A container's `resources` (Kubernetes ResourceRequirements)."""
@@ -134,14 +118,9 @@ class NodeResources:
         """The container's securityContext: IPC_LOCK with RDMA devices, else none."""
         return {"capabilities": {"add": [IPC_LOCK]}} if self.rdma else None
 
-    def pod_annotations(self) -> dict:
-        """The pod template's annotations: the secondary networks to attach, else none."""
-        return {NETWORKS_ANNOTATION: ",".join(self.networks)} if self.networks else {}
-
 
 def node_resources(recipe, nproc: int, *, host_per_rank: Optional[int], shm_need: Optional[int],
-                   rdma: Optional[dict[str, int]] = None, host_how: str = "the memory plan",
-                   networks: Sequence[str] = ()) -> NodeResources:
+                   rdma: Optional[dict[str, int]] = None, host_how: str = "the memory plan") -> NodeResources:
     """The node's requests for `nproc` ranks of `recipe` (the rules in the module's docstring).
 
     Args:
@@ -165,13 +144,8 @@ def node_resources(recipe, nproc: int, *, host_per_rank: Optional[int], shm_need
            f"{quantity(memory)} = {MEMORY_HEADROOM} x ({nproc} rank(s) x {_gib(host_per_rank)} ({host_how}) + "
            f"{loaders}{_gib(LAUNCHER_BYTES)} launcher + {_gib(shm)} /dev/shm); /dev/shm {quantity(shm)} (twice the "
            f"DataLoader's {_gib(shm_need or 0)}, at least {quantity(SHM_MIN)})"
-           + (f"; {', '.join(f'{k}: {v}' for k, v in (rdma or {}).items())} with {IPC_LOCK}" if rdma else "")
-           + (f"; attached to network(s) {', '.join(networks)}" if networks else ""))
-    if rdma and not networks:
-        notes.append("RDMA devices without --network: where your device plugin shares the HCA through a secondary "
-                     "network (Multus), name it with --network NAME, or NCCL may find no RDMA device in the pod and "
-                     "fall back to sockets (NCCL_DEBUG=INFO says NET/Socket)")
-    return NodeResources(cpus, memory, shm, dict(rdma or {}), tuple(notes), how, tuple(networks))
+           + (f"; {', '.join(f'{k}: {v}' for k, v in (rdma or {}).items())} with {IPC_LOCK}" if rdma else ""))
+    return NodeResources(cpus, memory, shm, dict(rdma or {}), tuple(notes), how)
 
 
 def _gib(n: int) -> str:

@@ -8,6 +8,7 @@ checkpoint. Logs go into the run directory.
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Sequence
 
 from ..recipe.launch_plan import run_dir_for
@@ -31,11 +32,12 @@ def _directive_value(value: str, flag: str) -> str:
 def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, partition: Optional[str] = None,
                   time: Optional[str] = None, gpus_per_node: Optional[int] = None,
                   cpus_per_task: Optional[int] = None, resources: Optional[NodeResources] = None,
-                  trainkit: Sequence[str] = ("trainkit",)) -> str:
-    """The script text. Raises SlurmError for GPUs on a gloo recipe or an elastic node count.
+                  mem: str = "auto", trainkit: Sequence[str] = ("trainkit",)) -> str:
+    """The script text. Raises SlurmError for GPUs on a gloo recipe, an elastic node count or a bad `mem`.
 
-    `resources`: what a node needs (node_resources.py: CPUs, and the memory written as `--mem`); without
-    it the CPUs by the same rule and no `--mem` (the site's default)."""
+    `resources`: what a node needs (node_resources.py: CPUs, and with `mem` "auto" the memory written as
+    `--mem`); without it the CPUs by the same rule and no `--mem`. `mem`: "auto", "none" (the site's
+    default), or a size for `--mem` as given (e.g. 200G)."""
     recipe = resolved.recipe
     la = recipe.launch
     if isinstance(la.nnodes, str):
@@ -54,8 +56,9 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
              f"#SBATCH --nodes={la.nnodes}",
              "#SBATCH --ntasks-per-node=1",
              f"#SBATCH --cpus-per-task={cpus}"]
-    if resources:
-        lines.append(f"#SBATCH --mem={resources.memory >> 20}M")
+    memory = _mem_value(mem, resources)
+    if memory:
+        lines.append(f"#SBATCH --mem={memory}")
     if gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if partition:
@@ -66,6 +69,7 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
               f"#SBATCH --output={recipe.name}-%j.out",  # the folder must exist at submission: the current one
               "#SBATCH --open-mode=append",
               "#",
+              *([f"# {comment_text(resources.how)}"] if resources and memory and mem == "auto" else []),
               f"# Written by `trainkit slurm {comment_text(shell_join([recipe_path, *overrides]))}`. One task per node: trainkit's",
               "# launcher starts that node's workers; nnodes, node_rank and the c10d rendezvous (the first node of",
               "# the allocation) come from SLURM's variables (docs/clusters.md). --requeue + trainer.resume: auto",
@@ -79,3 +83,15 @@ def sbatch_script(resolved, recipe_path: str, overrides: Sequence[str] = (), *, 
               + shell_join([*trainkit, "run", recipe_path, *overrides, *pinned]),
               ""]
     return "\n".join(lines)
+
+
+def _mem_value(mem: str, resources: Optional[NodeResources]) -> Optional[str]:
+    """`--mem`'s value: the node's need in MiB ("auto", when sized), none ("none"), or a size as given."""
+    if mem == "auto":
+        return f"{resources.memory >> 20}M" if resources else None
+    if mem == "none":
+        return None
+    if not re.fullmatch(r"[1-9][0-9]*[KMGT]?", mem):
+        raise SlurmError(f"--mem {mem!r}: auto, none, or a size Slurm reads, a whole number with an optional unit "
+                         f"K, M, G or T (e.g. 200G)")
+    return mem

@@ -236,7 +236,8 @@ def cuda_budget(nproc: int) -> tuple[int, str]:
     import torch
 
     count = max(1, min(nproc, torch.cuda.device_count()))
-    readings = [(*_free_and_total(i), i) for i in range(count)]
+    elsewhere = _Elsewhere(count)
+    readings = [(*_free_and_total(i, elsewhere), i) for i in range(count)]
     free, total, index = min(readings, key=lambda r: (r[1] if r[0] is None else r[0], r[2]))
     if free is None:  # neither NVML nor cudaMemGetInfo could say: the device's total, said as such
         return total, f"{human_bytes(total)} on {torch.cuda.get_device_name(index)} (free memory unknown)"
@@ -244,14 +245,27 @@ def cuda_budget(nproc: int) -> tuple[int, str]:
     return free, f"{human_bytes(free)} free of {human_bytes(total)} on {torch.cuda.get_device_name(index)}{where}"
 
 
-def _free_and_total(index: int) -> tuple[Optional[int], int]:
+class _Elsewhere:
+    """cudaMemGetInfo for the devices NVML cannot speak for, asked of one child process for all of them the
+    first time one is needed (starting a process imports torch: seconds, not once per GPU)."""
+
+    def __init__(self, count: int):
+        self.count, self.answers = count, None  # the devices this node's ranks take: cuda:0 .. count-1
+
+    def __call__(self, index: int) -> Optional[tuple[int, int]]:
+        if self.answers is None:
+            self.answers = mem_get_info_in_a_process_of_its_own(range(index, self.count))
+        return self.answers.get(index)
+
+
+def _free_and_total(index: int, elsewhere: _Elsewhere) -> tuple[Optional[int], int]:
     import torch
 
     total = torch.cuda.get_device_properties(index).total_memory
     used = _nvml_used(index)
     if used is not None and 0 <= used <= total:  # more than the total: NVML read another device
         return total - used, total
-    return mem_get_info_in_a_process_of_its_own(index) or (None, total)
+    return elsewhere(index) or (None, total)
 
 
 def _nvml_used(index: int) -> Optional[int]:
@@ -281,20 +295,28 @@ def _in_mig_mode(index: int) -> bool:
         return False
 
 
-MEM_GET_INFO = "import sys, torch; print(*torch.cuda.mem_get_info(int(sys.argv[1])))"
+MEM_GET_INFO = ("import sys, torch\nfor i in sys.argv[1:]:\n    try:\n        print(i, *torch.cuda.mem_get_info(int(i)))\n"
+                "    except Exception:\n        pass")
 MEM_GET_INFO_TIMEOUT_S = 120
 
 
-def mem_get_info_in_a_process_of_its_own(index: int) -> Optional[tuple[int, int]]:
-    """cudaMemGetInfo's (free, total) for CUDA device `index`, asked by a child process (the same
-    CUDA_VISIBLE_DEVICES), so that the CUDA context it makes ends with it; None where it cannot say."""
+def mem_get_info_in_a_process_of_its_own(indices) -> dict[int, tuple[int, int]]:
+    """cudaMemGetInfo's (free, total) for each CUDA device of `indices`, asked by one child process (the
+    same CUDA_VISIBLE_DEVICES), so that the CUDA contexts it makes end with it; a device it cannot read
+    is left out."""
     try:
-        done = subprocess.run([sys.executable, "-c", MEM_GET_INFO, str(index)], capture_output=True, text=True,
-                              timeout=MEM_GET_INFO_TIMEOUT_S)
-        free, total = (int(x) for x in done.stdout.split())
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    return free, total
+        done = subprocess.run([sys.executable, "-c", MEM_GET_INFO, *map(str, indices)], capture_output=True,
+                              text=True, timeout=MEM_GET_INFO_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    answers = {}
+    for line in done.stdout.splitlines():
+        try:
+            index, free, total = (int(x) for x in line.split())
+        except ValueError:
+            continue
+        answers[index] = (free, total)
+    return answers
 
 
 def memory_verdict(recipe) -> Optional[MemoryVerdict]:
@@ -388,6 +410,12 @@ def memory(resolved) -> Optional[Check]:
                             f"{human_bytes(host.available)} available ({host.source})",
                       "offload less (strategy.offload_optimizer / offload_param / cpu_offload), or fewer ranks "
                       "per node (docs/memory.md)")
+    nccl = sum(p.bytes for p in verdict.plan.parts if p.name == "NCCL buffers")
+    if need > verdict.budget >= need - nccl:  # only NCCL's upper estimate (an NVSwitch node's) tips it over
+        return warned(name, f"may not fit: {detail}; it fits without the plan's NCCL buffers "
+                            f"({human_bytes(nccl)}), an upper estimate for an NVSwitch node of H100/H200 class -- "
+                            f"far less on PCIe (docs/memory.md, \"NCCL's buffers\")",
+                      f"to leave room: {fix}; or fewer channels (NCCL_MAX_NCHANNELS), no NVLS (NCCL_NVLS_ENABLE=0)")
     if need > verdict.budget:
         return failed(name, f"will not fit: {detail}", f"changes that would fit: {fix}" if fits else
                       f"nothing single fits; closest: {fix}")

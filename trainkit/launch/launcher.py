@@ -384,9 +384,8 @@ def _run_torchrun(recipe: Recipe, run_dir: Path, launch_dir: Path, redact=str,
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead: the
-        # ones this process may run on (a Slurm step's, a container's), not the host's
-        os.environ["OMP_NUM_THREADS"] = str(max(1, threads.usable_cores() // recipe.launch.nproc_per_node))
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1 and warn; share the cores instead
+        os.environ["OMP_NUM_THREADS"] = str(threads.per_rank(recipe.launch.nproc_per_node))
     cmd = _torchrun_command(recipe, run_dir, rendezvous)
     # bounded by launch.join_timeout_s; without a trainkit-served rendezvous (None: torch's agent may host
     # the store itself, on this very node) there is nothing to wait for before torchrun

@@ -107,10 +107,10 @@ def _group_verdict(name: str, records: dict[int, dict]) -> Optional[Blame]:
                            f"collective itself hangs (the network or NCCL's transport: NCCL_DEBUG=INFO says more)")
     if not started and not _start_times_recorded(records):
         return Blame(None, f"NCCL Flight Recorder: every rank of {label} enqueued collective #{last} "
-                           f"({_op(newest[members[0]])}) and none completed it; without start events "
-                           f"(TORCH_NCCL_ENABLE_TIMING=1, which this run turned off) the record cannot tell a GPU "
-                           f"still busy with earlier work from a collective that hangs: the stacks below do not "
-                           f"say either under NCCL")
+                           f"({_op(newest[members[0]])}) and none completed it; the records hold no start time at "
+                           f"all -- start events are off (TORCH_NCCL_ENABLE_TIMING=0), or no collective has started "
+                           f"on any GPU yet -- so they cannot tell a GPU still busy with earlier work from a "
+                           f"collective that hangs: the stacks below do not say either under NCCL")
     return None
 
 

@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from .nccl_memory import Communicator, communicators_of_mesh
-
 from .blocks.strategy import MemoryLayout
+from .nccl_memory import Communicator, communicators_of_mesh
 
 MiB = 1 << 20
 GiB = 1 << 30

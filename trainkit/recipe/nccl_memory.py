@@ -14,24 +14,28 @@ H100/H200-class GPUs on NVSwitch, NCCL's cuMem allocations on (its default):
   a node: 16 channels x 2 x 1 MiB per local rank of the group, and ~34 MiB of peer state;
 - a group that spans nodes also connects a tree (another ring's worth across the network).
 
-So an 8-rank group on one such node ~775 MiB, a 2-rank group there ~580 MiB. An upper estimate: a PCIe
-node runs 2-4 channels and no NVLS (~20-80 MiB per communicator: the plan over-states it 5-30x there),
-NCCL_MAX_NCHANNELS / NCCL_NVLS_ENABLE=0 / NCCL_BUFFSIZE change it, and a group that never runs a
-collective skips the ring's and NVLS's buffers. Point-to-point (the pipeline's sends) connects up to 32
+So an 8-rank group on one such node ~775 MiB, a 2-rank group there ~580 MiB. NCCL_MAX_NCHANNELS,
+NCCL_NVLS_ENABLE=0 and NCCL_BUFFSIZE in the launcher's environment (the workers inherit it) are taken
+into account. An upper estimate: a PCIe node runs 2-4 channels and no NVLS (~20-80 MiB per
+communicator: the plan over-states it 5-30x there, and the doctor then warns instead of refusing), and
+a group that never runs a collective skips the ring's and NVLS's buffers. Point-to-point (the pipeline's sends) connects up to 32
 channels per peer on its own (not counted: the pipeline's groups are counted as collective groups).
 """
 
 from __future__ import annotations
 
+import math
+import os
 from itertools import product
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 MiB = 1 << 20
+CUMEM_GRANULARITY = 2 * MiB  # NCCL rounds each cuMem allocation up to it
 CHANNELS = 24  # collective channels on an 8-GPU NVSwitch node of H100/H200 (PCIe: 2-4)
-P2P_CHANNELS = 32  # pow2Up(CHANNELS): each initialised at set-up
-SETUP_PER_CHANNEL = 3 * 2 * MiB  # three cuMem allocations, each rounded up to the 2 MiB granularity
+SETUP_PER_CHANNEL = 3 * CUMEM_GRANULARITY  # three cuMem allocations per channel initialised at set-up
 SETUP_FIXED = 5 * MiB  # the device communicator and rank maps (2 MiB rounding each)
-RING_PER_CHANNEL = 10 * MiB + 2 * MiB  # receive: LL + LL128 + Simple (9.19 MiB) rounded; send: 2 MiB
+LL_BYTES, LL128_BYTES, SIMPLE_BYTES = 512 << 10, 4_915_200, 4 * MiB  # per connection (SIMPLE: NCCL_BUFFSIZE)
+SEND_SIDE = CUMEM_GRANULARITY  # a ring's sender holds only its small send state, rounded
 NVLS_PER_LOCAL_RANK = 16 * 2 * MiB  # NVLS channels x 2 x (chunk 128 KiB x 8 steps)
 NVLS_FIXED = 34 * MiB  # NVLS's peer pointers and credits
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # runtime/mesh.py's dimension order, tp innermost
@@ -47,12 +51,28 @@ class Communicator(NamedTuple):
 
     @property
     def bytes(self) -> int:
-        cost = SETUP_FIXED + P2P_CHANNELS * SETUP_PER_CHANNEL + CHANNELS * RING_PER_CHANNEL
-        if self.local_ranks >= 2:
+        return self.bytes_under(os.environ)
+
+    def bytes_under(self, environ: Mapping[str, str]) -> int:
+        """The cost with NCCL's variables in `environ` (NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE, NCCL_NVLS_ENABLE)."""
+        channels = min(CHANNELS, _positive(environ, "NCCL_MAX_NCHANNELS", CHANNELS))
+        p2p_channels = 1 << (channels - 1).bit_length()  # NCCL's pow2Up
+        receive = LL_BYTES + LL128_BYTES + _positive(environ, "NCCL_BUFFSIZE", SIMPLE_BYTES)
+        ring = channels * (math.ceil(receive / CUMEM_GRANULARITY) * CUMEM_GRANULARITY + SEND_SIDE)
+        cost = SETUP_FIXED + p2p_channels * SETUP_PER_CHANNEL + ring
+        if self.local_ranks >= 2 and environ.get("NCCL_NVLS_ENABLE", "2").strip() != "0":
             cost += NVLS_FIXED + NVLS_PER_LOCAL_RANK * self.local_ranks
         if self.ranks > self.local_ranks:
-            cost += CHANNELS * RING_PER_CHANNEL  # the tree's connections across nodes
+            cost += ring  # the tree's connections across nodes
         return cost
+
+
+def _positive(environ: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        value = int(environ.get(name, default))
+    except ValueError:  # NCCL ignores a value it cannot read, and so does the plan
+        return default
+    return value if value > 0 else default
 
 
 def communicators_of_mesh(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> tuple[Communicator, ...]:

@@ -143,13 +143,16 @@ def out_of_memory_kind(exc: BaseException) -> Optional[str]:
     - Python's `MemoryError`; torch's CPU allocator refusing (a RuntimeError, under an address-space
       limit, `ulimit -v`, or strict overcommit); `torch.OutOfMemoryError` (the CUDA caching allocator).
     - A CUDA call outside the caching allocator failing with cudaErrorMemoryAllocation:
-      `torch.AcceleratorError` ("CUDA error: out of memory", `error_code` 2).
+      `torch.AcceleratorError` ("CUDA error: out of memory", `error_code` 2), or a plain RuntimeError
+      saying "CUDA error: out of memory" (cuSPARSE's check) or "CUDA driver error: out of memory".
+    - The caching allocator's message rewrapped by a library ("CUDA out of memory. Tried to allocate").
     - NCCL failing to allocate while it sets up a communicator or its buffers: a
-      `torch.distributed.DistBackendError` whose message carries NCCL's own "Cuda failure ... 'out of
-      memory'" (GPU) or "Failed to malloc / CUDA host alloc N bytes" (host). Other NCCL failures (a
-      timeout, a peer gone, a network error) are not out of memory.
-    - cuBLAS, cuSOLVER, cuSPARSE or cuDNN reporting an allocation failure (their handle or workspace);
-      cuBLAS failing to create its handle (NOT_INITIALIZED) with the device nearly full."""
+      `torch.distributed.DistBackendError` whose message carries NCCL's last warning: "Failed to CUDA
+      calloc / calloc async / malloc N bytes", "Cuda failure ... 'out of memory'", NVLS's "CUDA error 2
+      'out of memory'" (GPU), or "Failed to malloc / CUDA host alloc N bytes" (host). Other NCCL failures
+      (a timeout, a peer gone, a network error) are not out of memory.
+    - cuBLAS, cuSOLVER or cuDNN reporting an allocation failure (their handle or workspace); cuBLAS
+      failing to create its handle (NOT_INITIALIZED) with the device nearly full."""
     if isinstance(exc, MemoryError):
         return "host memory ran out (MemoryError)"
     if not isinstance(exc, RuntimeError):

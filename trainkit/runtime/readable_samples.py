@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
-def first_readable(load: Callable[[int], Any], samples: list[tuple[Path, int]], i: int, on_corrupt: str,
+def first_readable(load: Callable[[int], Any], samples: Sequence[tuple[Any, int]], i: int, on_corrupt: str,
                    root: Path) -> tuple[Any, int]:
     """(load(j), skipped): j is i, or with on_corrupt "skip" the first readable index after it (wrapping),
-    skipped how many unreadable files were passed over. `samples`: the dataset's (file, class) pairs."""
+    skipped how many unreadable files were passed over. `samples`: the dataset's (file, class) pairs (a packed index: files as str)."""
     skipped = 0
     for attempt in range(len(samples)):
         j = (i + attempt) % len(samples)

@@ -31,6 +31,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def per_rank(ranks: int) -> int:
+    """Intra-op threads for each of `ranks` worker processes on this node: the cores this process may run
+    on (a Slurm step's or a container's, not the host's) shared among them, at least one."""
+    return max(1, usable_cores() // max(1, ranks))
+
+
 def beside_the_launcher(cores: int) -> int:
     """Intra-op threads for a run that shares its process with the launcher's delivery thread: one
     core left for that thread (none to leave on a single core)."""
