@@ -77,3 +77,17 @@ def test_an_index_with_any_file_name_reads_back_exactly():
     assert list(packed) == [(str(p), c) for p, c in names] and not PackedSamples([])
     with pytest.raises(IndexError):
         packed[3]
+
+
+@pytest.mark.parametrize("decode", ["loader", "device"])
+def test_both_image_folder_datasets_keep_the_packed_index(tmp_path, decode):
+    """What the fork measurement above is worth to a run: the datasets `data.name: imagefolder` builds
+    (PIL in the loader, or bytes for the device's decoder) hold their index packed."""
+    from trainkit.recipe.blocks import ImageFolderData
+    from trainkit.runtime.data import build_imagefolder
+    from trainkit.runtime.imagefolder_maker import make_imagefolder
+
+    root = make_imagefolder(tmp_path / "imgs", classes=2, per_class=2, size=16)
+    dataset = build_imagefolder(ImageFolderData(name="imagefolder", root=str(root), batch_size=2, decode=decode),
+                                split="train", seed=0)
+    assert isinstance(dataset.samples, PackedSamples) and len(dataset.samples) == 4

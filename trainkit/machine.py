@@ -11,7 +11,7 @@ def usable_cores() -> int:
     """The cores this process may run on (its affinity, as torch's DataLoader counts them)."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
+    except (AttributeError, OSError):  # not on Linux
         return os.cpu_count() or 1
 
 

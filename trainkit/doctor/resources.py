@@ -236,36 +236,17 @@ def cuda_budget(nproc: int) -> tuple[int, str]:
     import torch
 
     count = max(1, min(nproc, torch.cuda.device_count()))
-    elsewhere = _Elsewhere(count)
-    readings = [(*_free_and_total(i, elsewhere), i) for i in range(count)]
+    totals = [torch.cuda.get_device_properties(i).total_memory for i in range(count)]
+    used = [_nvml_used(i) for i in range(count)]
+    readable = [u is not None and 0 <= u <= t for u, t in zip(used, totals)]  # above the total: another device
+    asked = mem_get_info_in_a_process_of_its_own([i for i in range(count) if not readable[i]]) \
+        if not all(readable) else {}
+    readings = [(totals[i] - used[i] if readable[i] else asked.get(i, (None,))[0], totals[i], i) for i in range(count)]
     free, total, index = min(readings, key=lambda r: (r[1] if r[0] is None else r[0], r[2]))
     if free is None:  # neither NVML nor cudaMemGetInfo could say: the device's total, said as such
         return total, f"{human_bytes(total)} on {torch.cuda.get_device_name(index)} (free memory unknown)"
     where = f" (cuda:{index}, the least free of the {count} this node's ranks take)" if count > 1 else ""
     return free, f"{human_bytes(free)} free of {human_bytes(total)} on {torch.cuda.get_device_name(index)}{where}"
-
-
-class _Elsewhere:
-    """cudaMemGetInfo for the devices NVML cannot speak for, asked of one child process for all of them the
-    first time one is needed (starting a process imports torch: seconds, not once per GPU)."""
-
-    def __init__(self, count: int):
-        self.count, self.answers = count, None  # the devices this node's ranks take: cuda:0 .. count-1
-
-    def __call__(self, index: int) -> Optional[tuple[int, int]]:
-        if self.answers is None:
-            self.answers = mem_get_info_in_a_process_of_its_own(range(index, self.count))
-        return self.answers.get(index)
-
-
-def _free_and_total(index: int, elsewhere: _Elsewhere) -> tuple[Optional[int], int]:
-    import torch
-
-    total = torch.cuda.get_device_properties(index).total_memory
-    used = _nvml_used(index)
-    if used is not None and 0 <= used <= total:  # more than the total: NVML read another device
-        return total - used, total
-    return elsewhere(index) or (None, total)
 
 
 def _nvml_used(index: int) -> Optional[int]:

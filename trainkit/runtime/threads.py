@@ -22,13 +22,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a container's or taskset's limit)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+from ..machine import usable_cores  # the cores this process may run on (its CPU affinity)
 
 
 def per_rank(ranks: int) -> int:
